@@ -1,0 +1,43 @@
+# Train one model on many GPUs: build the book, run the tests, refresh the figures.
+# Every target installs what it needs first (a virtual environment in .venv).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help install test book notebooks figures lab clean
+
+help:  ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+install: $(STAMP)  ## create .venv and install the pinned dependencies and the package
+
+test: $(STAMP)  ## run the whole test suite (unit, parity on 2 and 4 processes, chapters)
+	$(PY) -m pytest
+
+book: $(STAMP)  ## execute every chapter on this machine and build the HTML site in _build/html
+	MULTIGPU_PROGRESS=0 $(VENV)/bin/jupyter-book build . -W -n --keep-going
+
+notebooks: $(STAMP)  ## export .ipynb copies of the chapters into _build/notebooks
+	mkdir -p _build/notebooks
+	$(VENV)/bin/jupytext --to ipynb --output-dir=_build/notebooks book/*.md 2>/dev/null || \
+	  for f in book/*.md; do $(VENV)/bin/jupytext --to ipynb -o _build/notebooks/$$(basename $${f%.md}).ipynb $$f; done
+
+figures: $(STAMP)  ## re-run the experiments on this machine (results/<machine>/), then rebuild the book
+	$(PY) -m multigpu figures
+	$(MAKE) book
+
+lab: $(STAMP)  ## open the chapters as notebooks in JupyterLab
+	$(VENV)/bin/jupyter lab book/
+
+clean:  ## remove the built book and caches (keeps .venv and results)
+	rm -rf _build .pytest_cache .ruff_cache

@@ -1,0 +1,135 @@
+"""Command line: python -m multigpu {run, check, figures} ...
+
+    python -m multigpu run --strategy ddp --world-size 2 --model gpt-tiny --steps 20 [--json]
+    python -m multigpu check --strategy ddp-scratch --world-size 4 [--json]
+    python -m multigpu figures [--experiments NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from multigpu.config import STRATEGIES, ConfigError, RunConfig
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    d = RunConfig()
+    p.add_argument("--strategy", default=d.strategy, help=f"one of: {', '.join(STRATEGIES)}")
+    p.add_argument("--world-size", type=int, default=None, help="processes (default: 1 for single, 2 otherwise)")
+    p.add_argument("--model", default=d.model, help="model preset, e.g. gpt-tiny, gpt2, t5-small")
+    p.add_argument("--global-batch-size", "--batch-size", type=int, default=d.global_batch_size,
+                   help="samples per optimizer step, all processes together")
+    p.add_argument("--grad-accum-steps", type=int, default=d.grad_accum_steps)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--dtype", default=d.dtype, help="fp32 or bf16-mixed")
+    p.add_argument("--optimizer", default=d.optimizer, help="sgd, sgd-momentum or adamw")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--dataset", default=d.dataset, help="synthetic (learnable) or dummy (random ids)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
+    p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+
+
+def _config(args) -> RunConfig:
+    world_size = args.world_size if args.world_size is not None else (1 if args.strategy == "single" else 2)
+    return RunConfig(
+        strategy=args.strategy, world_size=world_size, model=args.model,
+        global_batch_size=args.global_batch_size, grad_accum_steps=args.grad_accum_steps,
+        seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
+        activation_checkpointing=args.activation_checkpointing, dataset=args.dataset, seed=args.seed,
+        device=args.device, bucket_cap_mb=args.bucket_cap_mb, threads_per_worker=args.threads_per_worker,
+    ).validate()
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def cmd_run(args) -> int:
+    from multigpu.launch import launch
+
+    cfg = _config(args)
+    record = launch(cfg, port=args.port, timeout_s=args.timeout, progress=None if not args.json else False)
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    mem = record["peak_memory_bytes_by_rank"][0]
+    print(f"{cfg.strategy} on {cfg.world_size} process(es), {record['provenance']['backend']}, "
+          f"model {cfg.model} ({record['parameters']:,} parameters)")
+    print(f"  loss        {record['loss'][0]:.4f} -> {record['loss'][-1]:.4f} over {cfg.steps} steps")
+    print(f"  step time   {record['step_time_s'] * 1e3:.1f} ms (median of {record['timed_steps']} steps)")
+    print(f"  throughput  {record['tokens_per_s']:,.0f} tokens/s, {record['samples_per_s']:,.1f} samples/s")
+    print("  peak memory, rank 0: " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items()))
+    comm = record["comm_payload_bytes_per_step_by_rank"][0]
+    if comm:
+        print("  collectives per step, rank 0: " + ", ".join(f"{k} {_mib(v)}" for k, v in comm.items()))
+    return 0
+
+
+def cmd_check(args) -> int:
+    from multigpu.check import check
+
+    cfg = _config(args)
+    result = check(cfg.strategy, cfg.world_size, steps=args.steps, tolerance=args.tolerance,
+                   model=cfg.model, global_batch_size=cfg.global_batch_size, optimizer=cfg.optimizer,
+                   grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed, dataset=cfg.dataset,
+                   lr=cfg.lr, device=cfg.device)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        verdict = "PASSED" if result["passed"] else "FAILED"
+        print(f"{verdict}: {result['strategy']} on {result['world_size']} processes vs single, "
+              f"{result['steps']} steps: max |param diff| {result['max_abs_param_diff']:.2e}, "
+              f"max |loss diff| {result['max_abs_loss_diff']:.2e} (tolerance {result['tolerance']:.0e})")
+    return 0 if result["passed"] else 1
+
+
+def cmd_figures(args) -> int:
+    from multigpu.experiments import run_experiments
+
+    run_experiments(args.experiments)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m multigpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train with a strategy and print the record")
+    _add_run_options(run)
+    run.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    run.add_argument("--timeout", type=float, default=900, help="seconds before the run is stopped")
+    run.set_defaults(func=cmd_run)
+    chk = sub.add_parser("check", help="parity of a strategy with single-device training")
+    _add_run_options(chk)
+    chk.set_defaults(steps=3, optimizer="sgd-momentum", lr=0.05)
+    chk.add_argument("--tolerance", type=float, default=1e-5)
+    chk.set_defaults(func=cmd_check)
+    fig = sub.add_parser("figures", help="run the experiments behind the book's figures")
+    fig.add_argument("--experiments", nargs="*", default=None, help="names (default: all)")
+    fig.set_defaults(func=cmd_figures)
+    args = parser.parse_args(argv)
+
+    from multigpu.launch import LaunchError
+
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; every worker was stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

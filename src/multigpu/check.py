@@ -1,0 +1,50 @@
+"""Parity: does a strategy train exactly like one process on the same global batch?
+
+`check` trains the strategy on N processes and the `single` reference on one process,
+from the same seed, on the same global batches, for a few steps, then compares the
+weights and the per-step losses. Floating-point sums in a different order differ in the
+last bits, so we ask for agreement within `tolerance`, not bit equality.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from multigpu.config import RunConfig
+from multigpu.launch import launch
+
+
+def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 1e-5,
+          progress: bool | None = False, **overrides) -> dict:
+    """Return {'strategy', 'world_size', 'steps', 'max_abs_param_diff',
+    'max_abs_loss_diff', 'tolerance', 'passed'}. `overrides` go to both RunConfigs."""
+    base = dict(model="gpt-tiny", global_batch_size=8, steps=steps, optimizer="sgd-momentum",
+                lr=0.05, dataset="synthetic", track_memory=False)
+    base.update(overrides)
+    cfg = RunConfig(strategy=strategy, world_size=world_size, **base).validate()
+    reference = cfg.replace(strategy="single", world_size=1, grad_accum_steps=1, extra={})
+    with tempfile.TemporaryDirectory(prefix="multigpu-check-") as tmp:
+        ours_path, ref_path = Path(tmp, "ours.pt"), Path(tmp, "ref.pt")
+        ours = launch(cfg, params_path=ours_path, progress=progress)
+        ref = launch(reference, params_path=ref_path, progress=progress)
+        ours_params = torch.load(ours_path)
+        ref_params = torch.load(ref_path)
+    if ours_params.keys() != ref_params.keys():
+        raise RuntimeError(f"{strategy} returned parameters {sorted(set(ours_params) ^ set(ref_params))} "
+                           "that the single-device model does not have (or lacks them)")
+    param_diff = max((ours_params[k].float() - ref_params[k].float()).abs().max().item() for k in ref_params)
+    loss_diff = max(abs(a - b) for a, b in zip(ours["loss"], ref["loss"]))
+    return {
+        "strategy": strategy,
+        "world_size": world_size,
+        "steps": steps,
+        "max_abs_param_diff": param_diff,
+        "max_abs_loss_diff": loss_diff,
+        "tolerance": tolerance,
+        "passed": param_diff <= tolerance and loss_diff <= tolerance,
+        "loss": ours["loss"],
+        "reference_loss": ref["loss"],
+    }

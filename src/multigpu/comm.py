@@ -1,0 +1,94 @@
+"""Per-rank accounting of collectives: calls and bytes, by kind.
+
+`CommCounter` is a TorchDispatchMode: every collective that goes through PyTorch's
+dispatcher (`torch.distributed.*`, DDP's C++ reducer, FSDP, tensor parallel) passes
+through `__torch_dispatch__`, where we read the kind and the tensor sizes.
+
+Two numbers per kind:
+- payload bytes: the size of the tensor(s) this rank handed to the collective;
+- bytes sent: what a bandwidth-optimal (ring) algorithm makes each rank send for that
+  payload on N ranks, e.g. 2(N-1)/N x payload for all-reduce. Backends choose their own
+  algorithms, so this is the textbook cost of the measured payload, not a packet count.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# dispatcher op name -> collective kind
+OP_KINDS = {
+    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+    "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+}
+
+
+def sent_bytes(kind: str, payload_bytes: int, world_size: int) -> float:
+    """Bytes one rank sends for `payload_bytes` of input under the ring algorithm."""
+    n = world_size
+    if n == 1:
+        return 0.0
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,  # reduce-scatter then all-gather
+        "reduce_scatter": (n - 1) / n,  # payload = the full, unscattered input
+        "all_gather": n - 1,  # payload = this rank's shard; it travels to n-1 others
+        "all_to_all": (n - 1) / n,
+        "reduce": (n - 1) / n,
+        "broadcast": 1.0,  # pipelined: every rank but the last forwards the message
+        "send": 1.0,
+        "recv": 0.0,
+        "gather": 1.0,
+        "scatter": (n - 1) / n,
+    }[kind]
+    return factor * payload_bytes
+
+
+# c10d ops that take (outputs, inputs): their payload is argument 1, not argument 0
+_INPUT_IS_SECOND = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_",
+                    "reduce_scatter_", "_reduce_scatter_base_", "alltoall_", "alltoall_base_",
+                    "gather_"}
+
+
+def _payload_bytes(func, args) -> int:
+    """Bytes of the tensor(s) this rank hands to the collective as input."""
+    index = 1 if func.namespace == "c10d" and func._opname in _INPUT_IS_SECOND else 0
+    tensors, _ = tree_flatten(args[index] if len(args) > index else ())
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class CommCounter(TorchDispatchMode):
+    """Count collectives issued inside the `with` block.
+
+    >>> with CommCounter(world_size) as comm:
+    ...     loss.backward()
+    >>> comm.payload_bytes  # {'all_reduce': 449536}
+    """
+
+    def __init__(self, world_size: int):
+        super().__init__()
+        self.world_size = world_size
+        self.calls: dict[str, int] = defaultdict(int)
+        self.payload_bytes: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            kind = OP_KINDS.get(func._opname)
+            if kind is not None:
+                self.calls[kind] += 1
+                self.payload_bytes[kind] += _payload_bytes(func, args)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def sent_bytes(self) -> dict[str, float]:
+        return {k: sent_bytes(k, b, self.world_size) for k, b in self.payload_bytes.items()}

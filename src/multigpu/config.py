@@ -1,0 +1,161 @@
+"""RunConfig: everything that defines one training run, checked before any process starts.
+
+A bad value is reported with what was seen and what to do, so a reader never meets a
+traceback from deep inside a worker for a typo on the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+STRATEGIES = {
+    "single": "one process, one device: the reference every strategy is tested against",
+    "ddp": "PyTorch DistributedDataParallel",
+    "ddp-scratch": "data parallel from scratch: bucketed all-reduce overlapped with backward",
+}
+DTYPES = ("fp32", "bf16-mixed")
+OPTIMIZERS = ("sgd", "sgd-momentum", "adamw")
+DEVICES = ("auto", "cpu", "cuda")
+DATASETS = ("synthetic", "dummy")
+
+
+class ConfigError(ValueError):
+    """A RunConfig value that cannot work; the message says which and what to do."""
+
+
+def _choose(name: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(
+            f"unknown {name} {value!r}; choose one of: {', '.join(allowed)}"
+        )
+
+
+def max_cpu_workers() -> int:
+    """More CPU processes than this only queue for the cores; we refuse them."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+@dataclass
+class RunConfig:
+    strategy: str = "single"
+    world_size: int = 1
+    model: str = "gpt-tiny"
+    global_batch_size: int = 8  # samples per optimizer step, all ranks together
+    grad_accum_steps: int = 1  # micro-batches per optimizer step on each rank
+    seq_len: int | None = None  # None: the model preset's default
+    dtype: str = "fp32"
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    steps: int = 10
+    activation_checkpointing: bool = False
+    dataset: str = "synthetic"
+    dataset_size: int | None = None  # None: enough samples for `steps` steps
+    seed: int = 0
+    device: str = "auto"
+    bucket_cap_mb: float = 25.0  # DDP and ddp-scratch gradient buckets
+    threads_per_worker: int | None = None  # None: the machine's cores split evenly
+    track_memory: bool = True  # per-category peak memory from MemTracker (steps 0-1)
+    fault: str | None = None  # testing only: "raise@RANK:STEP" or "kill@RANK:STEP"
+    extra: dict = field(default_factory=dict)  # strategy-specific options
+
+    # -- derived sizes -------------------------------------------------------------
+    @property
+    def per_rank_batch_size(self) -> int:
+        return self.global_batch_size // self.world_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.per_rank_batch_size // self.grad_accum_steps
+
+    @property
+    def num_samples(self) -> int:
+        return self.dataset_size or self.global_batch_size * max(self.steps, 1)
+
+    def validate(self) -> "RunConfig":
+        from multigpu.models import PRESETS  # local import: models imports torch
+
+        _choose("strategy", self.strategy, STRATEGIES)
+        _choose("model preset", self.model, PRESETS)
+        _choose("dtype", self.dtype, DTYPES)
+        _choose("optimizer", self.optimizer, OPTIMIZERS)
+        _choose("device", self.device, DEVICES)
+        _choose("dataset", self.dataset, DATASETS)
+        for name in ("world_size", "global_batch_size", "grad_accum_steps", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.strategy == "single" and self.world_size != 1:
+            raise ConfigError(
+                f"strategy 'single' runs one process, got world_size={self.world_size}; "
+                "use world_size=1 or a parallel strategy such as 'ddp'"
+            )
+        if self.world_size > max_cpu_workers():
+            raise ConfigError(
+                f"world_size={self.world_size} is more processes than this machine can run "
+                f"usefully ({os.cpu_count()} CPU cores, limit {max_cpu_workers()}); "
+                "use fewer processes or a machine with more GPUs"
+            )
+        per_step = self.world_size * self.grad_accum_steps
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} does not split evenly over "
+                f"world_size={self.world_size} x grad_accum_steps={self.grad_accum_steps} "
+                f"= {per_step} micro-batches; use a multiple of {per_step}, "
+                f"e.g. {per_step * max(1, round(self.global_batch_size / per_step))}"
+            )
+        if self.num_samples < self.global_batch_size:
+            raise ConfigError(
+                f"dataset_size={self.dataset_size} is smaller than one global batch "
+                f"({self.global_batch_size}); use at least {self.global_batch_size} samples"
+            )
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
+            raise ConfigError(f"seq_len must be a whole number >= 2, got {self.seq_len!r}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be positive, got {self.lr!r}")
+        if self.bucket_cap_mb <= 0:
+            raise ConfigError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
+            raise ConfigError(
+                f"threads_per_worker must be >= 1 or None, got {self.threads_per_worker!r}"
+            )
+        if self.fault is not None:
+            parse_fault(self.fault)
+        return self
+
+    # -- serialisation ----------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown RunConfig field(s): {', '.join(unknown)}; "
+                f"known fields are: {', '.join(sorted(names))}"
+            )
+        return cls(**data)
+
+    def replace(self, **changes) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def parse_fault(fault: str) -> tuple[str, int, int]:
+    """'raise@1:2' -> ('raise', rank 1, step 2). Used by tests of failure handling."""
+    try:
+        kind, where = fault.split("@")
+        rank, step = (int(x) for x in where.split(":"))
+        if kind not in ("raise", "kill"):
+            raise ValueError
+    except ValueError:
+        raise ConfigError(
+            f"fault must look like 'raise@RANK:STEP' or 'kill@RANK:STEP', got {fault!r}"
+        ) from None
+    return kind, rank, step

@@ -1,0 +1,201 @@
+"""Start N worker processes under torchrun and bring back their record.
+
+Usable from a notebook cell, the command line and tests alike:
+
+    record = launch(RunConfig(strategy="ddp", world_size=2))
+
+Notebook functions cannot be sent to spawned processes, so the workers run the
+`multigpu.worker` module; a run is described by its RunConfig, written to a file.
+Whatever happens, `launch` returns a record or raises a `LaunchError` that says what went
+wrong: a worker's traceback tail, a killed worker, a timeout. It never hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from multigpu.config import ConfigError, RunConfig
+from multigpu.train import PROGRESS_MARK
+
+_SRC = str(Path(__file__).resolve().parents[1])
+_announced: set[str] = set()
+
+
+class LaunchError(RuntimeError):
+    """The run could not produce a record; the message says why and what to do."""
+
+
+def _say_once(message: str) -> None:
+    if message not in _announced:
+        _announced.add(message)
+        print(message, file=sys.stderr, flush=True)
+
+
+def check_port_free(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise LaunchError(
+                f"port {port} is already in use on this machine, so the workers cannot meet "
+                "there; pass another port, or none to let torchrun pick a free one"
+            ) from None
+
+
+def _show_progress(progress: bool | None) -> bool:
+    if progress is not None:
+        return progress
+    if os.environ.get("MULTIGPU_PROGRESS") is not None:
+        return os.environ["MULTIGPU_PROGRESS"] not in ("0", "", "false")
+    return sys.stderr.isatty() or "ipykernel" in sys.modules
+
+
+def _failure_message(out_dir: Path, rc: int, output_tail: list[str]) -> str:
+    lines = [f"the run failed (torchrun exit code {rc})."]
+    for path in sorted(out_dir.glob("error-rank*.txt")):
+        rank = path.stem.removeprefix("error-rank")
+        tb = path.read_text().strip().splitlines()
+        lines.append(f"rank {rank} raised {tb[-1] if tb else 'an error'}; traceback tail:")
+        lines += ["    " + line for line in tb[-12:]]
+    if len(lines) == 1:  # nobody left a traceback: killed from outside
+        text = "\n".join(output_tail)
+        for rank, code in re.findall(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text):
+            code = int(code)
+            if code < 0:
+                name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
+                hint = " (often: out of memory)" if name == "SIGKILL" else ""
+                lines.append(f"rank {rank} was killed by signal {name}{hint}.")
+            else:
+                lines.append(f"rank {rank} exited with code {code} without a traceback.")
+        lines.append("last lines of output:")
+        lines += ["    " + line for line in output_tail[-15:]]
+    return "\n".join(lines)
+
+
+def launch(
+    cfg: RunConfig,
+    *,
+    timeout_s: float = 900,
+    progress: bool | None = None,
+    port: int | None = None,
+    params_path: Path | None = None,
+    verbose: bool = False,
+) -> dict:
+    """Run `cfg` on `cfg.world_size` processes; return the run's record (see records.py).
+
+    timeout_s: stop every worker and raise if no record came back by then.
+    port: rendezvous port on 127.0.0.1; None lets torchrun pick a free one.
+    params_path: also save the trained weights (rank 0's full copy) there.
+    verbose: echo the workers' own output."""
+    from multigpu.runtime import choose_device
+
+    cfg.validate()
+    try:
+        device, backend, why = choose_device(cfg.device, cfg.world_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _say_once(f"multigpu: using {why}")
+    threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
+
+    if port is not None:
+        check_port_free(port)
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+    else:
+        rendezvous = ["--standalone"]
+    out_dir = Path(tempfile.mkdtemp(prefix="multigpu-run-"))
+    (out_dir / "config.json").write_text(cfg.to_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nnodes=1",
+           f"--nproc-per-node={cfg.world_size}", "--max-restarts=0",
+           "-m", "multigpu.worker", "--config", str(out_dir / "config.json"),
+           "--out", str(out_dir), "--device", device]
+    if params_path is not None:
+        cmd.append("--save-params")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([_SRC, *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+    bar = None
+    if _show_progress(progress):
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, desc=f"{cfg.strategy} x{cfg.world_size}", unit="step", leave=False)
+    tail: deque[str] = deque(maxlen=200)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
+                              daemon=True)
+    reader.start()
+    start = time.monotonic()
+    try:
+        while True:
+            remaining = timeout_s - (time.monotonic() - start)
+            if remaining <= 0:
+                _stop(proc)
+                raise LaunchError(
+                    f"no result after {timeout_s:.0f} s, so every worker was stopped; "
+                    f"raise timeout_s or run fewer steps ({cfg.steps}) or a smaller model ({cfg.model})"
+                )
+            try:
+                line = lines.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            line = line.rstrip("\n")
+            if line.startswith(PROGRESS_MARK):
+                if bar is not None:
+                    _, done, _total, loss = line.split()
+                    bar.n = int(done)
+                    bar.set_postfix(loss=float(loss), refresh=True)
+                continue
+            tail.append(line)
+            if verbose:
+                print(line, flush=True)
+        rc = proc.wait()
+    except BaseException:  # timeout, Ctrl-C, or anything else: leave no worker behind
+        _stop(proc)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+    try:
+        if rc != 0 or not (out_dir / "record.json").exists():
+            raise LaunchError(_failure_message(out_dir, rc, list(tail)))
+        import json
+
+        record = json.loads((out_dir / "record.json").read_text())
+        record["wall_time_s"] = time.monotonic() - start
+        if params_path is not None:
+            shutil.move(out_dir / "params.pt", params_path)
+        return record
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Terminate torchrun and all its workers (one process group), then make sure."""
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue

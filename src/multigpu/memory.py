@@ -1,0 +1,77 @@
+"""Measured peak memory, split into the categories the book reasons with.
+
+PyTorch's `MemTracker` (torch.distributed._tools.mem_tracker) watches every tensor created
+inside it and knows which are parameters, gradients, optimizer state and activations. It
+works the same on CPU and CUDA tensors; on CUDA we also read the allocator's own peak.
+At the moment of the total peak it gives a snapshot; we fold its categories into ours:
+
+    params       Parameter + Buffer
+    grads        Gradient
+    optimizer    Optstate
+    activations  Activation (tensors saved in forward for backward)
+    other        Temp + Other: gradients of activations in backward, communication
+                 buckets, anything else alive at the peak
+"""
+
+from __future__ import annotations
+
+import torch
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+_FOLD = {
+    "Parameter": "params", "Buffer": "params", "Gradient": "grads", "Optstate": "optimizer",
+    "Activation": "activations", "Temp": "other", "Other": "other",
+}
+
+
+def empty_breakdown() -> dict[str, int]:
+    return {c: 0 for c in CATEGORIES} | {"total": 0}
+
+
+def fold_snapshot(snapshot: dict) -> dict[str, int]:
+    """MemTracker's per-device peak snapshot -> our categories (summed over devices)."""
+    out = empty_breakdown()
+    for dev_snap in snapshot.values():
+        for key, nbytes in dev_snap.items():
+            name = getattr(key, "value", key)
+            if name in _FOLD:
+                out[_FOLD[name]] += int(nbytes)
+    out["total"] = sum(out[c] for c in CATEGORIES)
+    return out
+
+
+class PeakMemoryTracker:
+    """Peak memory by category of everything done inside the `with` block, which may
+    span several training steps (call `next_step()` between them).
+
+    `tracked`: objects created before the block (modules, optimizers, tensors) that must
+    be counted too. After the block, `by_category` holds the breakdown at the peak."""
+
+    def __init__(self, *tracked):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self.by_category = empty_breakdown()
+        self._tracker = MemTracker()
+        self._tracker.track_external(*tracked)
+
+    def __enter__(self):
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._tracker.__exit__(*exc)
+        self.by_category.update(fold_snapshot(self._tracker.get_tracker_snapshot("peak")))
+
+    def next_step(self) -> None:
+        self._tracker.reset_mod_stats()  # per-module stats are per step; the peak stays
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return tensor_bytes(
+        v for state in optimizer.state.values() for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )

@@ -1,0 +1,213 @@
+"""Model presets: a small GPT written here, and Hugging Face T5 built from its configs.
+
+The models know nothing of parallelism: strategies are applied to them from outside.
+Every preset builds from numbers in this file; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    d_model: int
+    seq_len: int  # longest sequence the position table holds
+
+    @property
+    def d_ff(self) -> int:
+        return 4 * self.d_model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x):  # x: (batch, seq, d_model)
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (batch, heads, seq, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 shaped decoder. Embedding, a list of blocks, a final norm and a tied head,
+    so later chapters can cut it into pipeline stages between blocks."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids, labels=None):  # input_ids: (batch, seq)
+        T = input_ids.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than the model's {self.cfg.seq_len}")
+        pos = torch.arange(T, device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)  # (batch, seq, d_model)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (batch, seq, vocab)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+# T5 sizes are those of the released checkpoints (Raffel et al. 2020, Table 14;
+# https://arxiv.org/abs/1910.10683); dropout is 0 so that parity tests are exact.
+T5_SIZES = {
+    "t5-tiny": dict(d_model=64, d_ff=256, d_kv=16, num_heads=4, num_layers=2, vocab_size=512),
+    "t5-small": dict(d_model=512, d_ff=2048, d_kv=64, num_heads=8, num_layers=6),
+    "t5-base": dict(d_model=768, d_ff=3072, d_kv=64, num_heads=12, num_layers=12),
+    "t5-large": dict(d_model=1024, d_ff=4096, d_kv=64, num_heads=16, num_layers=24),
+    "t5-3b": dict(d_model=1024, d_ff=16384, d_kv=128, num_heads=32, num_layers=24),
+}
+
+# GPT-2 sizes from Radford et al. 2019 (vocab 50257, context 1024); the small ones run on a laptop.
+GPT_SIZES = {
+    "gpt-tiny": GPTConfig(vocab_size=128, n_layer=2, n_head=4, d_model=64, seq_len=64),
+    "gpt-mini": GPTConfig(vocab_size=512, n_layer=4, n_head=4, d_model=128, seq_len=128),
+    "gpt-small": GPTConfig(vocab_size=2048, n_layer=6, n_head=8, d_model=256, seq_len=256),
+    "gpt2": GPTConfig(vocab_size=50257, n_layer=12, n_head=12, d_model=768, seq_len=1024),
+    "gpt2-medium": GPTConfig(vocab_size=50257, n_layer=24, n_head=16, d_model=1024, seq_len=1024),
+    "gpt2-large": GPTConfig(vocab_size=50257, n_layer=36, n_head=20, d_model=1280, seq_len=1024),
+    "gpt2-xl": GPTConfig(vocab_size=50257, n_layer=48, n_head=25, d_model=1600, seq_len=1024),
+}
+
+# preset -> (family, default sequence length used for training)
+PRESETS = {
+    **{name: ("gpt", min(cfg.seq_len, 256) if name.startswith("gpt2") else cfg.seq_len)
+       for name, cfg in GPT_SIZES.items()},
+    **{name: ("t5", 32 if name == "t5-tiny" else 256) for name in T5_SIZES},
+}
+
+
+def t5_config(name: str):
+    from transformers import T5Config
+
+    # a bare T5Config needs these two ids to train with `labels` (transformers 5.x)
+    return T5Config(
+        **{"vocab_size": 32128, **T5_SIZES[name]},
+        dropout_rate=0.0,
+        feed_forward_proj="relu",
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+
+
+def vocab_size(name: str) -> int:
+    family, _ = PRESETS[name]
+    return GPT_SIZES[name].vocab_size if family == "gpt" else t5_config(name).vocab_size
+
+
+def default_seq_len(name: str) -> int:
+    return PRESETS[name][1]
+
+
+def build_model(name: str, seed: int = 0) -> nn.Module:
+    """The same seed gives the same initial weights in every process."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    torch.manual_seed(seed)
+    if PRESETS[name][0] == "gpt":
+        return GPT(GPT_SIZES[name])
+    from transformers import T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(t5_config(name))
+
+
+def transformer_block_types(model: nn.Module) -> tuple[type, ...]:
+    """The repeated unit of a model: what checkpointing and FSDP wrap one by one."""
+    if isinstance(model, GPT):
+        return (Block,)
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    return (T5Block,)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each block's activations in backward instead of keeping them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as apply_ac,
+    )
+
+    block_types = transformer_block_types(model)
+    apply_ac(model, check_fn=lambda m: isinstance(m, block_types))
+    return model
+
+
+def compute_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Mean cross-entropy over every label token of the batch, for either family."""
+    out = model(**batch)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_count(name: str) -> int:
+    """Parameters of a preset, counted on the meta device (no memory allocated)."""
+    with torch.device("meta"):
+        return count_parameters(build_model(name))
+
+
+def describe(name: str) -> str:
+    n = parameter_count(name)
+    return f"{name} ({n / 1e6:.1f}M parameters)" if n >= 1e6 else f"{name} ({n:,} parameters)"
+
+
+__all__ = [
+    "GPT", "GPTConfig", "PRESETS", "build_model", "compute_loss", "parameter_count",
+    "apply_activation_checkpointing", "transformer_block_types", "vocab_size",
+    "default_seq_len", "describe",
+]

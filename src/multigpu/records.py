@@ -1,0 +1,167 @@
+"""Result records: one JSON object per run, one JSON-lines file per experiment.
+
+    results/<machine-tag>/<experiment>.jsonl
+
+A record holds the run's `config`, its measurements and `provenance` (commit, date,
+versions, devices), so every figure can say which machine, backend and date produced it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS_DIR = Path(os.environ.get("MULTIGPU_RESULTS", ROOT / "results"))
+
+
+class CorruptRecordWarning(UserWarning):
+    """A line of a results file that is not a JSON record; the others were kept."""
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=12"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(backend: str, world_size: int, device_type: str, threads_per_worker: int) -> dict:
+    import transformers
+
+    cuda = device_type == "cuda"
+    return {
+        "git_commit": _git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "backend": backend,
+        "world_size": world_size,
+        "device_type": device_type,
+        "device_names": ([torch.cuda.get_device_name(i) for i in range(world_size)] if cuda
+                         else [cpu_name()]),
+        "cpu_count": os.cpu_count(),
+        "threads_per_worker": threads_per_worker,
+        "machine_tag": machine_tag(),
+    }
+
+
+def machine_tag() -> str:
+    """'cpu-2core-gloo' or e.g. '8xH100-nccl': the folder this machine's records go to."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        name = torch.cuda.get_device_name(0).replace("NVIDIA", "").strip()
+        short = next((w for w in name.split() if any(c.isdigit() for c in w)), name.split()[0])
+        return f"{torch.cuda.device_count()}x{short}-nccl"
+    return f"cpu-{os.cpu_count()}core-gloo"
+
+
+# -- reading and writing ---------------------------------------------------------------
+
+def results_path(experiment: str, tag: str | None = None) -> Path:
+    return RESULTS_DIR / (tag or machine_tag()) / f"{experiment}.jsonl"
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    """Replace `path` with `records`, all or nothing (write aside, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        for record in records:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def read_records(path: Path) -> list[dict]:
+    """Every valid record of a JSON-lines file. A corrupt line is reported (file and line
+    number) with a warning and skipped; the other records are kept."""
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as err:
+                warnings.warn(f"{path}: line {number} is not a valid record ({err}); "
+                              "skipped it and kept the other lines", CorruptRecordWarning, stacklevel=2)
+                continue
+            records.append(record)
+    return records
+
+
+def machines_with(experiment: str) -> list[str]:
+    """Machine tags that have records of `experiment`, richest first (GPUs, then cores)."""
+    tags = [p.parent.name for p in RESULTS_DIR.glob(f"*/{experiment}.jsonl")]
+
+    def richness(tag: str):  # '8xH100-nccl' -> (1, 8), 'cpu-2core-gloo' -> (0, 2)
+        if tag.startswith("cpu-"):
+            return (0, int(re.sub(r"\D", "", tag.split("-")[1]) or 0), tag)
+        count = tag.split("x")[0]
+        return (1, int(count) if count.isdigit() else 0, tag)
+
+    return sorted(tags, key=richness, reverse=True)
+
+
+def load(experiment: str, tag: str | None = None) -> list[dict]:
+    """Records of `experiment` from machine `tag`, or from the richest machine that has them."""
+    if tag is None:
+        tags = machines_with(experiment)
+        if not tags:
+            raise FileNotFoundError(
+                f"no records of experiment {experiment!r} under {RESULTS_DIR}; "
+                f"run `python -m multigpu figures --experiments {experiment}` to make them"
+            )
+        tag = tags[0]
+    return read_records(results_path(experiment, tag))
+
+
+def to_frame(records: list[dict]):
+    """One row per record: config fields flattened, main measurements as columns."""
+    import pandas as pd
+
+    rows = []
+    for r in records:
+        row = dict(r["config"])
+        for key in ("step_time_s", "tokens_per_s", "samples_per_s", "parameters", "name"):
+            row[key] = r.get(key)
+        row["final_loss"] = r["loss"][-1] if r.get("loss") else None
+        row["peak_total_bytes_rank0"] = r["peak_memory_bytes_by_rank"][0]["total"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def caption(records: list[dict]) -> str:
+    """'Measured on cpu-2core-gloo: gloo, 2 x Intel ..., torch 2.13.0, 2026-11-21.'"""
+    if not records:
+        return "No records."
+    p = records[0]["provenance"]
+    dates = sorted(r["provenance"]["date"][:10] for r in records)
+    when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    device = ", ".join(sorted(set(p["device_names"])))
+    return (f"Measured on {p['machine_tag']} ({p['backend']}, {device}, torch {p['torch']}), "
+            f"{when}, commit {p['git_commit']}.")

@@ -1,0 +1,115 @@
+"""The one training loop every strategy shares.
+
+Per step it records wall time and the loss. Steps 0 and 1 run under the memory tracker
+(step 0 creates the optimizer state, step 1 is a steady-state step), step 1 also under the
+communication counter; the steps after them are timed with nothing attached, so the
+measurement tools never slow down the times we report.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+from contextlib import ExitStack, nullcontext
+
+import torch
+
+from multigpu import strategies
+from multigpu.comm import CommCounter
+from multigpu.config import RunConfig, parse_fault
+from multigpu.data import TokenDataset, batches, make_loader
+from multigpu.memory import PeakMemoryTracker, empty_breakdown
+from multigpu.models import apply_activation_checkpointing, build_model, compute_loss, default_seq_len, vocab_size
+
+PROGRESS_MARK = "@@multigpu-progress"  # rank 0 prints these lines; the launcher draws a bar
+
+
+def _maybe_fail(cfg: RunConfig, rank: int, step: int) -> None:
+    """Testing hook: make one rank fail at one step, to prove failures never hang."""
+    if cfg.fault is None:
+        return
+    kind, fault_rank, fault_step = parse_fault(cfg.fault)
+    if (rank, step) == (fault_rank, fault_step):
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} (fault={cfg.fault!r})")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(cfg: RunConfig, rt) -> dict:
+    """Train `cfg.steps` optimizer steps; return this rank's measurements."""
+    model = build_model(cfg.model, cfg.seed)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    model.to(rt.device)
+    par = strategies.prepare(model, cfg, rt)
+
+    seq_len = cfg.seq_len or default_seq_len(cfg.model)
+    dataset = TokenDataset(cfg.model, cfg.dataset, cfg.num_samples, seq_len, vocab_size(cfg.model), cfg.seed)
+    loader, sampler = make_loader(dataset, cfg.micro_batch_size, rt.rank, rt.world_size, cfg.seed)
+    micro_steps_per_epoch = (cfg.num_samples // cfg.global_batch_size) * cfg.grad_accum_steps
+    data = batches(loader, sampler, micro_steps_per_epoch, cfg.steps * cfg.grad_accum_steps)
+    mixed = cfg.dtype == "bf16-mixed"
+
+    losses, step_times_s = [], []
+    memory_tracker, comm = None, None
+    last_tracked_step = min(1, cfg.steps - 1) if cfg.track_memory else -1
+    comm_step = min(1, cfg.steps - 1)
+    tracking = ExitStack()
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+
+    for step in range(cfg.steps):
+        _maybe_fail(cfg, rt.rank, step)
+        if step == 0 and cfg.track_memory:
+            memory_tracker = tracking.enter_context(PeakMemoryTracker(par.module, par.optimizer, *par.tracked))
+        elif step <= last_tracked_step:
+            memory_tracker.next_step()
+        counter = CommCounter(rt.world_size) if step == comm_step else nullcontext()
+        _synchronize(rt.device)
+        start = time.perf_counter()
+        with counter:
+            par.optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for micro in range(cfg.grad_accum_steps):
+                batch = {k: v.to(rt.device, non_blocking=True) for k, v in next(data).items()}
+                last = micro == cfg.grad_accum_steps - 1
+                with (nullcontext() if last else par.no_sync()):
+                    with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=mixed):
+                        loss = compute_loss(par.module, batch) / cfg.grad_accum_steps
+                    loss.backward()
+                step_loss += loss.item()
+            par.finish_backward()
+            par.optimizer.step()
+        _synchronize(rt.device)
+        step_times_s.append(time.perf_counter() - start)
+        if step == last_tracked_step:
+            tracking.close()
+        if step == comm_step:
+            comm = counter
+        losses.append(step_loss)
+        if rt.is_main:
+            print(f"{PROGRESS_MARK} {step + 1} {cfg.steps} {step_loss:.6f}", flush=True)
+
+    untracked = [t for s, t in enumerate(step_times_s) if s > max(last_tracked_step, comm_step, 0)]
+    return {
+        "rank": rt.rank,
+        "loss": losses,
+        "step_times_s": step_times_s,
+        "step_time_s": statistics.median(untracked or step_times_s),
+        "timed_steps": len(untracked) or len(step_times_s),
+        "memory": memory_tracker.by_category if memory_tracker else empty_breakdown(),
+        "cuda_allocator_peak_bytes": torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else None,
+        "comm_calls": dict(comm.calls) if comm else {},
+        "comm_payload_bytes": dict(comm.payload_bytes) if comm else {},
+        "comm_sent_bytes": comm.sent_bytes if comm else {},
+        "state_dict": par.full_state_dict(),
+        "seq_len": seq_len,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }

@@ -1,0 +1,89 @@
+"""The torchrun entry point: one process of a run.
+
+    python -m torch.distributed.run --nproc-per-node N -m multigpu.worker --config C --out DIR
+
+Builds everything from the RunConfig in C, trains with the shared loop, gathers every
+rank's measurements on rank 0, which writes DIR/record.json. A rank that fails writes its
+traceback to DIR/error-rank<R>.txt so the launcher can show it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from multigpu import runtime
+from multigpu.config import RunConfig
+from multigpu.memory import CATEGORIES
+
+
+def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
+    """Rank 0: fold every rank's measurements into one record (schema: records.py)."""
+    from multigpu.records import provenance
+
+    steps = len(results[0]["loss"])
+    # the global loss is the mean of the ranks' losses (each rank holds an equal share)
+    loss = [sum(r["loss"][s] for r in results) / len(results) for s in range(steps)]
+    step_time_s = max(r["step_time_s"] for r in results)  # the slowest rank sets the pace
+    tokens_per_step = cfg.global_batch_size * results[0]["seq_len"]
+    return {
+        "config": cfg.to_dict(),
+        "parameters": results[0]["parameters"],
+        "seq_len": results[0]["seq_len"],
+        "step_time_s": step_time_s,
+        "step_times_s_by_rank": [r["step_times_s"] for r in results],
+        "timed_steps": results[0]["timed_steps"],
+        "tokens_per_s": tokens_per_step / step_time_s,
+        "samples_per_s": cfg.global_batch_size / step_time_s,
+        "loss": loss,
+        "peak_memory_bytes_by_rank": [{c: r["memory"][c] for c in (*CATEGORIES, "total")} for r in results],
+        "cuda_allocator_peak_bytes_by_rank": [r["cuda_allocator_peak_bytes"] for r in results],
+        "comm_calls_per_step_by_rank": [r["comm_calls"] for r in results],
+        "comm_payload_bytes_per_step_by_rank": [r["comm_payload_bytes"] for r in results],
+        "comm_bytes_per_step_by_rank": [r["comm_sent_bytes"] for r in results],
+        "provenance": provenance(rt.backend, rt.world_size, rt.device.type, torch.get_num_threads()),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--save-params", action="store_true", help="rank 0 writes params.pt")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        from multigpu.train import train
+
+        cfg = RunConfig.from_dict(json.loads(args.config.read_text()))
+        rt = runtime.init(args.device)
+        result = train(cfg, rt)
+        state_dict = result.pop("state_dict")
+        gathered = [None] * rt.world_size
+        dist.all_gather_object(gathered, result)
+        if rt.is_main:
+            if args.save_params:
+                torch.save(state_dict, args.out / "params.pt")
+            record = build_record(cfg, rt, gathered)
+            tmp = args.out / "record.json.tmp"
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, args.out / "record.json")
+        dist.barrier()
+        return 0
+    except BaseException:
+        (args.out / f"error-rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        runtime.teardown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
