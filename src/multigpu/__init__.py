@@ -5,18 +5,8 @@
 """
 
 from multigpu.config import ConfigError, RunConfig
+from multigpu.launch import LaunchError, launch  # noqa: I001  (the function shadows the module name)
+from multigpu.check import check
 
 __all__ = ["RunConfig", "ConfigError", "launch", "check", "LaunchError"]
 __version__ = "0.1.0"
-
-
-def __getattr__(name):  # import torch-heavy parts only when used
-    if name in ("launch", "LaunchError"):
-        from multigpu import launch as _launch
-
-        return getattr(_launch, name)
-    if name == "check":
-        from multigpu.check import check
-
-        return check
-    raise AttributeError(name)

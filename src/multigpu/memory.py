@@ -62,8 +62,18 @@ class PeakMemoryTracker:
         self._tracker.__exit__(*exc)
         self.by_category.update(fold_snapshot(self._tracker.get_tracker_snapshot("peak")))
 
-    def next_step(self) -> None:
-        self._tracker.reset_mod_stats()  # per-module stats are per step; the peak stays
+    def next_forward(self) -> None:
+        self._tracker.reset_mod_stats()  # per-module stats are per forward; the peak stays
+
+
+def unique_tensors(tensors) -> list[torch.Tensor]:
+    """Each tensor once, even if shared (GPT ties its embedding and output weights)."""
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
 
 
 def tensor_bytes(tensors) -> int:

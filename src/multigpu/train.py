@@ -20,7 +20,7 @@ from multigpu import strategies
 from multigpu.comm import CommCounter
 from multigpu.config import RunConfig, parse_fault
 from multigpu.data import TokenDataset, batches, make_loader
-from multigpu.memory import PeakMemoryTracker, empty_breakdown
+from multigpu.memory import PeakMemoryTracker, empty_breakdown, optimizer_state_bytes, tensor_bytes, unique_tensors
 from multigpu.models import apply_activation_checkpointing, build_model, compute_loss, default_seq_len, vocab_size
 
 PROGRESS_MARK = "@@multigpu-progress"  # rank 0 prints these lines; the launcher draws a bar
@@ -69,8 +69,6 @@ def train(cfg: RunConfig, rt) -> dict:
         _maybe_fail(cfg, rt.rank, step)
         if step == 0 and cfg.track_memory:
             memory_tracker = tracking.enter_context(PeakMemoryTracker(par.module, par.optimizer, *par.tracked))
-        elif step <= last_tracked_step:
-            memory_tracker.next_step()
         counter = CommCounter(rt.world_size) if step == comm_step else nullcontext()
         _synchronize(rt.device)
         start = time.perf_counter()
@@ -80,6 +78,8 @@ def train(cfg: RunConfig, rt) -> dict:
             for micro in range(cfg.grad_accum_steps):
                 batch = {k: v.to(rt.device, non_blocking=True) for k, v in next(data).items()}
                 last = micro == cfg.grad_accum_steps - 1
+                if step <= last_tracked_step:
+                    memory_tracker.next_forward()
                 with (nullcontext() if last else par.no_sync()):
                     with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=mixed):
                         loss = compute_loss(par.module, batch) / cfg.grad_accum_steps
@@ -97,6 +97,11 @@ def train(cfg: RunConfig, rt) -> dict:
         if rt.is_main:
             print(f"{PROGRESS_MARK} {step + 1} {cfg.steps} {step_loss:.6f}", flush=True)
 
+    model_states = {  # what this rank holds between steps, counted tensor by tensor
+        "params": tensor_bytes(unique_tensors(par.module.parameters())),
+        "grads": tensor_bytes(unique_tensors(p.grad for p in par.module.parameters() if p.grad is not None)),
+        "optimizer": optimizer_state_bytes(par.optimizer),
+    }
     untracked = [t for s, t in enumerate(step_times_s) if s > max(last_tracked_step, comm_step, 0)]
     return {
         "rank": rt.rank,
@@ -104,6 +109,7 @@ def train(cfg: RunConfig, rt) -> dict:
         "step_times_s": step_times_s,
         "step_time_s": statistics.median(untracked or step_times_s),
         "timed_steps": len(untracked) or len(step_times_s),
+        "model_states": model_states,
         "memory": memory_tracker.by_category if memory_tracker else empty_breakdown(),
         "cuda_allocator_peak_bytes": torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else None,
         "comm_calls": dict(comm.calls) if comm else {},

@@ -43,6 +43,7 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         "tokens_per_s": tokens_per_step / step_time_s,
         "samples_per_s": cfg.global_batch_size / step_time_s,
         "loss": loss,
+        "model_state_bytes_by_rank": [r["model_states"] for r in results],
         "peak_memory_bytes_by_rank": [{c: r["memory"][c] for c in (*CATEGORIES, "total")} for r in results],
         "cuda_allocator_peak_bytes_by_rank": [r["cuda_allocator_peak_bytes"] for r in results],
         "comm_calls_per_step_by_rank": [r["comm_calls"] for r in results],

@@ -1,0 +1,130 @@
+"""The experiments behind the book's figures: what `make figures` runs.
+
+Each experiment is a list of RunConfigs, sized for the machine at hand: small presets on a
+CPU (gloo, a few processes), GPT-2 sizes on CUDA GPUs (NCCL). Records go to
+results/<machine-tag>/<experiment>.jsonl. The file is rewritten after every run, always
+whole (write aside, then rename), so an interrupted sweep keeps the runs that finished and
+never leaves a half-written line; other machines' folders are never touched.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from multigpu import records
+from multigpu.config import RunConfig
+from multigpu.launch import launch
+
+
+def on_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 1
+
+
+def max_world_size() -> int:
+    """Processes the scaling sweeps go up to: every GPU, or 4 CPU processes."""
+    return torch.cuda.device_count() if on_gpus() else 4
+
+
+def _one_device_memory() -> list[RunConfig]:
+    """Memory of one device by optimizer, batch size and sequence length."""
+    model, batch, seq = ("gpt2", 8, 256) if on_gpus() else ("gpt-small", 2, 64)
+    base = RunConfig(model=model, global_batch_size=batch, seq_len=seq, steps=4, dataset="dummy")
+    runs = [base.replace(optimizer=o) for o in ("sgd", "sgd-momentum", "adamw")]
+    runs += [base.replace(global_batch_size=b, extra={"sweep": "batch"}) for b in (1, 2, 4, 8, 16)]
+    runs += [base.replace(seq_len=s, extra={"sweep": "seq_len"}) for s in (32, 64, 128, 256)]
+    return runs
+
+
+def _one_device_techniques() -> list[RunConfig]:
+    """What bf16 mixed precision, activation checkpointing and accumulation change."""
+    model, batch, seq = ("gpt2", 16, 512) if on_gpus() else ("gpt-small", 8, 128)
+    base = RunConfig(model=model, global_batch_size=batch, seq_len=seq, steps=6, optimizer="adamw",
+                     dataset="dummy")
+    return [
+        base.replace(extra={"technique": "baseline"}),
+        base.replace(dtype="bf16-mixed", extra={"technique": "bf16-mixed"}),
+        base.replace(activation_checkpointing=True, extra={"technique": "activation checkpointing"}),
+        base.replace(grad_accum_steps=2, extra={"technique": "accumulation x2"}),
+        base.replace(grad_accum_steps=4, extra={"technique": "accumulation x4"}),
+    ]
+
+
+def _ddp_scaling() -> list[RunConfig]:
+    """Step time and bytes all-reduced as processes grow, per-process batch held fixed."""
+    model, per_rank, seq = ("gpt2", 8, 256) if on_gpus() else ("gpt-mini", 8, 128)
+    runs = [RunConfig(model=model, global_batch_size=per_rank, seq_len=seq, steps=8, dataset="dummy")]
+    n = 1
+    while n <= max_world_size():
+        for strategy in ("ddp", "ddp-scratch"):
+            runs.append(RunConfig(strategy=strategy, world_size=n, model=model, global_batch_size=per_rank * n,
+                                  seq_len=seq, steps=8, dataset="dummy"))
+        n *= 2
+    return runs
+
+
+def _ddp_vs_scratch() -> list[RunConfig]:
+    """ddp and ddp-scratch alternated (A B A B ...) in one sweep, so both see the same noise."""
+    model, batch, seq, n = ("gpt2", 16, 256, 2) if on_gpus() else ("gpt-small", 8, 128, 2)
+    return [RunConfig(strategy=s, world_size=n, model=model, global_batch_size=batch, seq_len=seq,
+                      steps=20, dataset="dummy", bucket_cap_mb=4.0, track_memory=False,
+                      extra={"repeat": r})
+            for r in range(3) for s in ("ddp", "ddp-scratch")]
+
+
+def _ddp_buckets() -> list[RunConfig]:
+    """Bucket size: many small all-reduces against a few large ones."""
+    model, batch, seq = ("gpt2", 16, 256) if on_gpus() else ("gpt-small", 8, 128)
+    return [RunConfig(strategy="ddp-scratch", world_size=2, model=model, global_batch_size=batch, seq_len=seq,
+                      steps=10, dataset="dummy", bucket_cap_mb=cap, track_memory=False)
+            for cap in (0.0625, 0.25, 1.0, 4.0, 32.0)]
+
+
+def _ddp_learning() -> list[RunConfig]:
+    """The learnable task: single and DDP loss curves on the same global batches."""
+    model = "gpt2" if on_gpus() else "gpt-tiny"
+    base = RunConfig(model=model, global_batch_size=16, steps=60, optimizer="adamw", lr=3e-3,
+                     dataset="synthetic", track_memory=False)
+    return [base, base.replace(strategy="ddp", world_size=2), base.replace(strategy="ddp-scratch", world_size=2)]
+
+
+EXPERIMENTS = {
+    "one_device_memory": _one_device_memory,
+    "one_device_techniques": _one_device_techniques,
+    "ddp_scaling": _ddp_scaling,
+    "ddp_vs_scratch": _ddp_vs_scratch,
+    "ddp_buckets": _ddp_buckets,
+    "ddp_learning": _ddp_learning,
+}
+
+
+def run_experiment(name: str, *, progress: bool | None = None) -> list[dict]:
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose from: {', '.join(EXPERIMENTS)}")
+    path = records.results_path(name)
+    done: list[dict] = []
+    configs = EXPERIMENTS[name]()
+    for i, cfg in enumerate(configs, start=1):
+        start = time.monotonic()
+        record = launch(cfg, progress=progress)
+        record["experiment"] = name
+        done.append(record)
+        records.write_records(path, done)  # after every run: an interrupt keeps what finished
+        print(f"  [{name} {i}/{len(configs)}] {cfg.strategy} x{cfg.world_size} {cfg.model}: "
+              f"{record['step_time_s'] * 1e3:.1f} ms/step ({time.monotonic() - start:.0f} s)", flush=True)
+    return done
+
+
+def run_experiments(names: list[str] | None = None) -> None:
+    names = names or list(EXPERIMENTS)
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown:
+        raise ValueError(f"unknown experiment(s) {', '.join(unknown)}; choose from: {', '.join(EXPERIMENTS)}")
+    print(f"multigpu figures: {len(names)} experiment(s) on {records.machine_tag()}, "
+          f"torch {torch.__version__}, writing to {records.RESULTS_DIR / records.machine_tag()}", flush=True)
+    start = time.monotonic()
+    for name in names:
+        run_experiment(name, progress=False)
+    print(f"multigpu figures: done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)

@@ -1,0 +1,57 @@
+"""Shared helpers for the test suite.
+
+Everything runs on CPU with the gloo backend; a `launch` of workers takes a few seconds,
+so tests that need a run share it through small caches in their own modules.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+@pytest.fixture
+def busy_port():
+    """A port on 127.0.0.1 held open (bound and listening) for the whole test."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes (not zombies) whose command line contains `text`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone while we looked
+            continue
+        if text in cmdline and state != "Z":
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+@pytest.fixture
+def run_dirs(tmp_path, monkeypatch) -> Path:
+    """Make `launch` create its per-run folder (config, record, worker tracebacks) under
+    tmp_path, so a test can see what a run left behind and find its processes: every
+    torchrun and worker command line names that folder."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
+def processes_mentioning():
+    """processes_mentioning(text) -> command lines of live processes that contain text."""
+    return _processes_mentioning

@@ -1,0 +1,135 @@
+"""The command line, `python -m multigpu`, run as a reader would run it: in a subprocess.
+
+Good input: exit code 0 and exactly one JSON object on stdout with --json.
+Bad input: a non-zero exit code and one `error: ...` line on stderr, never a traceback."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import multigpu
+from multigpu import __main__ as cli
+from multigpu.config import RunConfig
+
+SRC = str(Path(multigpu.__file__).resolve().parents[1])  # the package under test
+
+
+def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])),
+               MULTIGPU_PROGRESS="0")
+    return subprocess.run([sys.executable, "-m", "multigpu", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def only_json_line(stdout: str) -> dict:
+    lines = stdout.splitlines()
+    assert len(lines) == 1, stdout
+    return json.loads(lines[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_run_json():
+    out = run_cli("run", "--strategy", "ddp", "--world-size", "2", "--steps", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    record = only_json_line(out.stdout)
+    for key in ("config", "step_time_s", "tokens_per_s", "loss", "peak_memory_bytes_by_rank",
+                "comm_bytes_per_step_by_rank", "provenance"):
+        assert key in record
+    assert RunConfig.from_dict(record["config"]) == RunConfig(strategy="ddp", world_size=2, steps=3)
+    assert len(record["loss"]) == 3
+    assert len(record["peak_memory_bytes_by_rank"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_check_json():
+    out = run_cli("check", "--strategy", "ddp-scratch", "--world-size", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    result = only_json_line(out.stdout)
+    assert {"strategy", "world_size", "steps", "max_abs_param_diff", "max_abs_loss_diff", "passed"} <= set(result)
+    assert (result["strategy"], result["world_size"], result["steps"]) == ("ddp-scratch", 2, 3)
+    assert result["max_abs_param_diff"] <= 1e-5 and result["max_abs_loss_diff"] <= 1e-5
+    assert result["passed"] is True
+
+
+BAD_INPUTS = {
+    "unknown strategy": (["--strategy", "fsdp9"], "unknown strategy 'fsdp9'"),
+    "world size 0": (["--strategy", "ddp", "--world-size", "0"], "world_size must be a whole number >= 1"),
+    "batch not divisible": (["--strategy", "ddp", "--world-size", "3"], "does not split evenly"),
+    "unknown model": (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+    "unknown dtype": (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+    "unknown optimizer": (["--optimizer", "lion"], "unknown optimizer 'lion'"),
+}
+
+
+@pytest.mark.parametrize("args, expected", list(BAD_INPUTS.values()), ids=list(BAD_INPUTS))
+def test_bad_input_is_one_error_line(args, expected):
+    out = run_cli("run", *args, "--steps", "2", timeout=60)
+    assert out.returncode != 0
+    assert out.stderr.startswith("error: ")
+    assert expected in out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stdout == ""
+
+
+@pytest.mark.timeout(60)
+def test_port_in_use_is_one_error_line(busy_port):
+    out = run_cli("run", "--strategy", "ddp", "--steps", "2", "--port", str(busy_port), "--json", timeout=60)
+    assert out.returncode != 0
+    assert f"error: port {busy_port} is already in use" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stdout == ""
+
+
+# -- the options reach the RunConfig (in-process: launch/check replaced by recorders) ----
+
+OPTIONS = ["--strategy", "ddp-scratch", "--world-size", "4", "--model", "gpt-mini", "--global-batch-size", "16",
+           "--grad-accum-steps", "2", "--seq-len", "32", "--dtype", "bf16-mixed", "--optimizer", "adamw",
+           "--lr", "0.003", "--steps", "7", "--activation-checkpointing", "--dataset", "dummy", "--seed", "5",
+           "--device", "cpu", "--bucket-cap-mb", "0.5", "--threads-per-worker", "1"]
+EXPECTED = RunConfig(strategy="ddp-scratch", world_size=4, model="gpt-mini", global_batch_size=16,
+                     grad_accum_steps=2, seq_len=32, dtype="bf16-mixed", optimizer="adamw", lr=0.003, steps=7,
+                     activation_checkpointing=True, dataset="dummy", seed=5, device="cpu", bucket_cap_mb=0.5,
+                     threads_per_worker=1)
+
+
+def test_run_passes_every_option(monkeypatch, capsys):
+    seen = {}
+
+    def fake_launch(cfg, **kwargs):
+        seen["cfg"], seen["kwargs"] = cfg, kwargs
+        return {"config": cfg.to_dict()}
+
+    monkeypatch.setattr(importlib.import_module("multigpu.launch"), "launch", fake_launch)
+    assert cli.main(["run", *OPTIONS, "--port", "29555", "--timeout", "12", "--json"]) == 0
+    assert seen["cfg"] == EXPECTED
+    assert seen["kwargs"]["port"] == 29555 and seen["kwargs"]["timeout_s"] == 12
+    assert json.loads(capsys.readouterr().out) == {"config": EXPECTED.to_dict()}
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "__main__.cmd_check forwards only some options to check(): --seq-len, --dtype, "
+    "--activation-checkpointing, --bucket-cap-mb and --threads-per-worker are accepted and "
+    "silently dropped (e.g. `check --dtype bf16-mixed` checks fp32)"))
+def test_check_passes_every_option(monkeypatch):
+    seen = {}
+
+    def fake_check(strategy, world_size, **kwargs):
+        seen.update(kwargs, strategy=strategy, world_size=world_size)
+        return {"strategy": strategy, "world_size": world_size, "steps": kwargs["steps"], "passed": True,
+                "max_abs_param_diff": 0.0, "max_abs_loss_diff": 0.0, "tolerance": kwargs["tolerance"]}
+
+    monkeypatch.setattr(importlib.import_module("multigpu.check"), "check", fake_check)
+    assert cli.main(["check", *OPTIONS, "--json"]) == 0
+    for field, value in EXPECTED.to_dict().items():
+        if field in ("track_memory", "fault", "extra"):  # not command-line options
+            continue
+        assert seen.get(field) == value, field

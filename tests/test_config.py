@@ -1,0 +1,133 @@
+"""RunConfig.validate: a bad value is refused before any process starts, with a message
+that names the value and says what to do. References: the lists of allowed values the
+package publishes (config.STRATEGIES, models.PRESETS, ...) and arithmetic on the sizes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from multigpu import config
+from multigpu.config import ConfigError, RunConfig, max_cpu_workers
+from multigpu.models import PRESETS
+
+
+def refused(**fields) -> str:
+    with pytest.raises(ConfigError) as info:
+        RunConfig(**fields).validate()
+    return str(info.value)
+
+
+def test_defaults_are_valid():
+    """The defaults describe a runnable config (so the refusals below are about the change)."""
+    assert RunConfig().validate() == RunConfig()
+
+
+@pytest.mark.parametrize("world_size", [0, -1])
+def test_world_size_below_one(world_size):
+    message = refused(strategy="ddp", world_size=world_size)
+    assert f"world_size must be a whole number >= 1, got {world_size}" in message
+
+
+def test_world_size_must_be_an_integer():
+    assert "got '2'" in refused(strategy="ddp", world_size="2")
+
+
+def test_world_size_beyond_the_machine():
+    limit = max_cpu_workers()
+    message = refused(strategy="ddp", world_size=limit + 1, global_batch_size=8 * (limit + 1))
+    assert f"world_size={limit + 1}" in message
+    assert f"limit {limit}" in message
+    assert "use fewer processes" in message
+    # the limit itself is allowed
+    RunConfig(strategy="ddp", world_size=limit, global_batch_size=8 * limit).validate()
+
+
+def test_global_batch_not_divisible():
+    """The message's suggestion must itself be a valid global batch size."""
+    message = refused(strategy="ddp", world_size=2, grad_accum_steps=2, global_batch_size=6)
+    assert "global_batch_size=6" in message
+    assert "world_size=2 x grad_accum_steps=2 = 4 micro-batches" in message
+    assert "use a multiple of 4" in message
+    suggested = int(re.search(r"e\.g\. (\d+)", message).group(1))
+    assert suggested % 4 == 0
+    RunConfig(strategy="ddp", world_size=2, grad_accum_steps=2, global_batch_size=suggested).validate()
+
+
+@pytest.mark.parametrize(
+    "field, label, allowed",
+    [
+        ("strategy", "strategy", list(config.STRATEGIES)),
+        ("model", "model preset", list(PRESETS)),
+        ("dtype", "dtype", list(config.DTYPES)),
+        ("optimizer", "optimizer", list(config.OPTIMIZERS)),
+        ("device", "device", list(config.DEVICES)),
+        ("dataset", "dataset", list(config.DATASETS)),
+    ],
+)
+def test_unknown_choice_lists_the_choices(field, label, allowed):
+    message = refused(**{field: "no-such-thing"})
+    assert f"unknown {label} 'no-such-thing'" in message
+    assert "choose one of: " + ", ".join(allowed) in message
+    # and every listed choice is accepted (for strategy: with a world size it allows)
+    for value in allowed:
+        world_size = 1 if field != "strategy" or value == "single" else 2
+        RunConfig(**{field: value, "world_size": world_size}).validate()
+
+
+def test_single_on_two_processes():
+    message = refused(strategy="single", world_size=2)
+    assert "world_size=2" in message and "'single'" in message
+    assert "use world_size=1 or a parallel strategy such as 'ddp'" in message
+
+
+@pytest.mark.parametrize("fault", ["boom", "raise@1", "raise@a:1", "explode@1:1", "raise@1:2:3", "kill@@1:1"])
+def test_bad_fault_string(fault):
+    message = refused(strategy="ddp", world_size=2, fault=fault)
+    assert repr(fault) in message
+    assert "'raise@RANK:STEP' or 'kill@RANK:STEP'" in message
+
+
+def test_good_fault_string_is_parsed():
+    assert config.parse_fault("kill@1:2") == ("kill", 1, 2)
+    RunConfig(strategy="ddp", world_size=2, fault="raise@0:0").validate()
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        (dict(lr=0.0), "lr must be positive, got 0.0"),
+        (dict(bucket_cap_mb=-1.0), "bucket_cap_mb must be positive, got -1.0"),
+        (dict(seq_len=1), "seq_len must be a whole number >= 2, got 1"),
+        (dict(steps=0), "steps must be a whole number >= 1, got 0"),
+        (dict(grad_accum_steps=0), "grad_accum_steps must be a whole number >= 1, got 0"),
+        (dict(threads_per_worker=0), "threads_per_worker must be >= 1 or None, got 0"),
+        (dict(dataset_size=4, global_batch_size=8), "use at least 8 samples"),
+    ],
+)
+def test_other_bad_sizes(fields, expected):
+    assert expected in refused(**fields)
+
+
+def test_from_dict_unknown_field():
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_dict({"strategy": "ddp", "world_sise": 2})
+    message = str(info.value)
+    assert "unknown RunConfig field(s): world_sise" in message
+    assert "known fields are:" in message and "world_size" in message
+
+
+def test_dict_and_json_round_trip():
+    cfg = RunConfig(strategy="ddp-scratch", world_size=4, seq_len=32, extra={"k": 1}, fault="kill@3:1")
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+    assert RunConfig.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+def test_derived_sizes():
+    cfg = RunConfig(strategy="ddp", world_size=4, grad_accum_steps=2, global_batch_size=32, steps=5)
+    assert cfg.per_rank_batch_size == 32 // 4
+    assert cfg.micro_batch_size == 32 // (4 * 2)
+    assert cfg.num_samples == 32 * 5  # enough samples for every step, no epoch repeats
+    assert cfg.replace(dataset_size=100).num_samples == 100

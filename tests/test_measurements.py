@@ -1,0 +1,206 @@
+"""Measurements against formulas and PyTorch's own accounting.
+
+Memory: fp32 weights take 4 bytes per parameter; optimizer state is whatever PyTorch's
+optimizer allocates for the model (0 for SGD, one buffer for momentum, two for AdamW).
+Communication: data parallelism all-reduces every gradient exactly once per step, so each
+rank's all-reduce payload is 4 bytes x parameters, and a ring all-reduce sends
+2(N-1)/N of it. CommCounter is checked against the tensors handed to torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from functools import lru_cache
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multigpu.comm import CommCounter
+from multigpu.config import RunConfig
+from multigpu.launch import launch
+from multigpu.models import build_model, parameter_count
+from multigpu.strategies import build_optimizer
+
+P = parameter_count("gpt-tiny")
+
+
+def record(strategy: str, world_size: int = 1, optimizer: str = "sgd", bucket_cap_mb: float = 25.0) -> dict:
+    """One launched run per distinct setting, shared by the tests of this module."""
+    return _record(strategy, world_size, optimizer, bucket_cap_mb)
+
+
+@lru_cache(maxsize=None)
+def _record(strategy, world_size, optimizer, bucket_cap_mb) -> dict:
+    cfg = RunConfig(strategy=strategy, world_size=world_size, model="gpt-tiny", dtype="fp32", steps=3,
+                    optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
+    return launch(cfg, progress=False)
+
+
+def torch_optimizer_state_bytes(optimizer: str) -> int:
+    """Bytes of every state tensor PyTorch's optimizer keeps for gpt-tiny after one step."""
+    model = build_model("gpt-tiny")
+    opt = build_optimizer(model.parameters(), RunConfig(optimizer=optimizer))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+# -- memory ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer, state_buffers", [("sgd", 0), ("sgd-momentum", 1), ("adamw", 2)])
+def test_single_memory_params_and_optimizer(optimizer, state_buffers):
+    memory = record("single", optimizer=optimizer)["peak_memory_bytes_by_rank"][0]
+    assert memory["params"] == 4 * P  # fp32 weights, the tied head counted once
+    expected = torch_optimizer_state_bytes(optimizer)
+    assert memory["optimizer"] == expected
+    # the formula: state_buffers fp32 copies of the weights (+ AdamW's scalar step counters)
+    n_tensors = len(list(build_model("gpt-tiny").parameters()))
+    assert expected == state_buffers * 4 * P + (4 * n_tensors if optimizer == "adamw" else 0)
+
+
+# -- communication -----------------------------------------------------------------------
+
+DATA_PARALLEL = [("ddp", 25.0), ("ddp-scratch", 25.0), ("ddp-scratch", 0.01)]
+IDS = ["ddp", "ddp-scratch", "ddp-scratch-small-buckets"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy, bucket_cap_mb", DATA_PARALLEL, ids=IDS)
+def test_data_parallel_all_reduces_every_gradient_once(strategy, bucket_cap_mb):
+    n = 2
+    rec = record(strategy, n, bucket_cap_mb=bucket_cap_mb)
+    assert rec["parameters"] == P
+    for r in range(n):
+        assert rec["comm_payload_bytes_per_step_by_rank"][r]["all_reduce"] == 4 * P
+        assert rec["comm_bytes_per_step_by_rank"][r]["all_reduce"] == pytest.approx(2 * (n - 1) / n * 4 * P)
+        calls = rec["comm_calls_per_step_by_rank"][r]["all_reduce"]
+        if bucket_cap_mb * 2**20 > 4 * P:
+            assert calls == 1  # the whole model fits in one bucket
+        else:
+            assert calls > 1
+        # every rank holds a full replica of the weights
+        assert rec["peak_memory_bytes_by_rank"][r]["params"] == 4 * P
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "train.py counts collectives at step 1 (comm_step = min(1, steps - 1)), but DDP rebuilds "
+    "its buckets at the start of step 1 and broadcasts the new bucket layout from rank 0 "
+    "(2 broadcasts, 120 bytes for gpt-tiny), so the 'per step' numbers include a one-off cost"))
+def test_ddp_steady_state_step_only_all_reduces():
+    rec = record("ddp", 2)
+    for calls in rec["comm_calls_per_step_by_rank"]:
+        assert set(calls) == {"all_reduce"}
+
+
+# -- CommCounter, unit --------------------------------------------------------------------
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def test_comm_counter_one_process(one_process_group):
+    """Payload = bytes of the tensor handed to the collective; one rank sends nothing."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    x = torch.ones(10)
+    shard, gathered = torch.ones(6, dtype=torch.float64), torch.empty(6, dtype=torch.float64)
+    full, out = torch.ones(7), torch.empty(7)
+    ids = torch.arange(3)
+    with CommCounter(1) as comm:
+        dist.all_reduce(x)
+        dist.all_gather_into_tensor(gathered, shard)
+        dist.reduce_scatter_tensor(out, full)
+        dist.broadcast(ids, src=0)
+        dist.all_reduce(torch.ones(5, dtype=torch.bfloat16), async_op=True).wait()
+    assert dict(comm.calls) == {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
+    assert dict(comm.payload_bytes) == {
+        "all_reduce": nbytes(x) + 5 * 2, "all_gather": nbytes(shard), "reduce_scatter": nbytes(full),
+        "broadcast": nbytes(ids)}
+    assert comm.sent_bytes == {k: 0.0 for k in comm.payload_bytes}
+    # outside the block nothing is counted
+    dist.all_reduce(x)
+    assert comm.calls["all_reduce"] == 2
+
+
+THREE_RANKS = r"""
+import json, sys, warnings
+import torch, torch.distributed as dist
+from multigpu.comm import CommCounter
+warnings.filterwarnings("ignore")
+rank, store_path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(store_path, 3), rank=rank, world_size=3)
+ops = {
+    "all_reduce": lambda: dist.all_reduce(torch.ones(10)),
+    "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(18, dtype=torch.float64),
+                                                                  torch.ones(6, dtype=torch.float64)),
+    "all_gather": lambda: dist.all_gather([torch.empty(4) for _ in range(3)], torch.ones(4)),
+    "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(7), torch.ones(21)),
+    "broadcast": lambda: dist.broadcast(torch.arange(3), src=0),
+}
+out = {}
+for name, op in ops.items():
+    with CommCounter(3) as comm:
+        op()
+    out[name] = [dict(comm.calls), dict(comm.payload_bytes), comm.sent_bytes]
+if rank == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_comm_counter_three_processes(tmp_path):
+    """On 3 ranks, where a collective's input and output differ in size: all-gather's
+    payload is this rank's shard, reduce-scatter's the full input; bytes sent follow the
+    ring algorithm: all-reduce 2(N-1)/N, all-gather (N-1) x shard, reduce-scatter (N-1)/N,
+    broadcast 1 x payload."""
+    import multigpu
+
+    script = tmp_path / "three_ranks.py"
+    script.write_text(THREE_RANKS)
+    src = os.path.dirname(os.path.dirname(multigpu.__file__))
+    env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+    try:
+        outputs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
+    got = json.loads(outputs[0][0])
+    n = 3
+    expected = {  # name: (kind, payload bytes, ring factor)
+        "all_reduce": ("all_reduce", 10 * 4, 2 * (n - 1) / n),
+        "all_gather_into_tensor": ("all_gather", 6 * 8, n - 1),
+        "all_gather": ("all_gather", 4 * 4, n - 1),
+        "reduce_scatter_tensor": ("reduce_scatter", 21 * 4, (n - 1) / n),
+        "broadcast": ("broadcast", 3 * 8, 1.0),
+    }
+    for name, (kind, payload, factor) in expected.items():
+        calls, payload_bytes, sent = got[name]
+        assert calls == {kind: 1}, name
+        assert payload_bytes == {kind: payload}, name
+        assert sent[kind] == pytest.approx(factor * payload), name
