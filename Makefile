@@ -29,11 +29,11 @@ book: $(STAMP)  ## execute every chapter on this machine and build the HTML site
 
 notebooks: $(STAMP)  ## export .ipynb copies of the chapters into _build/notebooks
 	mkdir -p _build/notebooks
-	$(VENV)/bin/jupytext --to ipynb --output-dir=_build/notebooks book/*.md 2>/dev/null || \
-	  for f in book/*.md; do $(VENV)/bin/jupytext --to ipynb -o _build/notebooks/$$(basename $${f%.md}).ipynb $$f; done
+	for f in book/*.md; do $(VENV)/bin/jupytext --to ipynb -o _build/notebooks/$$(basename $${f%.md}).ipynb $$f; done
 
 figures: $(STAMP)  ## re-run the experiments on this machine (results/<machine>/), then rebuild the book
 	$(PY) -m multigpu figures
+	rm -rf _build/.jupyter_cache  # the chapters read the new records: execute them again
 	$(MAKE) book
 
 lab: $(STAMP)  ## open the chapters as notebooks in JupyterLab

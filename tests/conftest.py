@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+
 @pytest.fixture
 def busy_port():
     """A port on 127.0.0.1 held open (bound and listening) for the whole test."""

@@ -115,10 +115,6 @@ def test_run_passes_every_option(monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out) == {"config": EXPECTED.to_dict()}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "__main__.cmd_check forwards only some options to check(): --seq-len, --dtype, "
-    "--activation-checkpointing, --bucket-cap-mb and --threads-per-worker are accepted and "
-    "silently dropped (e.g. `check --dtype bf16-mixed` checks fp32)"))
 def test_check_passes_every_option(monkeypatch):
     seen = {}
 

@@ -144,7 +144,7 @@ def test_synthetic_task_is_learnable():
     ln 2, far below the ln(vocab) of an untrained model: there is something to learn."""
     seq = markov_tokens(num_samples=64, length=65, vocab=128, seed=0)
     successors: dict[int, set[int]] = {}
-    for a, b in zip(seq[:, :-1].flatten().tolist(), seq[:, 1:].flatten().tolist()):
+    for a, b in zip(seq[:, :-1].flatten().tolist(), seq[:, 1:].flatten().tolist(), strict=True):
         successors.setdefault(a, set()).add(b)
     assert max(len(s) for s in successors.values()) <= 2
     assert any(len(s) == 2 for s in successors.values())  # and really random between two

@@ -55,8 +55,6 @@ def test_failed_write_keeps_the_old_file(tmp_path):
     assert read_records(path) == RECORDS
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "records.write_records does not remove exp.jsonl.tmp when json.dumps or the write fails"))
 def test_failed_write_leaves_no_tmp_file(tmp_path):
     path = tmp_path / "exp.jsonl"
     write_records(path, RECORDS)

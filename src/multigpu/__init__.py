@@ -4,9 +4,9 @@
     record = launch(RunConfig(strategy="ddp", world_size=2))
 """
 
-from multigpu.config import ConfigError, RunConfig
-from multigpu.launch import LaunchError, launch  # noqa: I001  (the function shadows the module name)
 from multigpu.check import check
+from multigpu.config import ConfigError, RunConfig
+from multigpu.launch import LaunchError, launch  # the function `launch` hides the module's name here
 
 __all__ = ["RunConfig", "ConfigError", "launch", "check", "LaunchError"]
 __version__ = "0.1.0"

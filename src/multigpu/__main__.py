@@ -21,6 +21,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="model preset, e.g. gpt-tiny, gpt2, t5-small")
     p.add_argument("--global-batch-size", "--batch-size", type=int, default=d.global_batch_size,
                    help="samples per optimizer step, all processes together")
+    p.add_argument("--per-rank-batch-size", type=int, default=None,
+                   help="samples per optimizer step on each process (sets the global batch to N times it)")
     p.add_argument("--grad-accum-steps", type=int, default=d.grad_accum_steps)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--dtype", default=d.dtype, help="fp32 or bf16-mixed")
@@ -38,9 +40,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 def _config(args) -> RunConfig:
     world_size = args.world_size if args.world_size is not None else (1 if args.strategy == "single" else 2)
+    global_batch_size = args.global_batch_size
+    if args.per_rank_batch_size is not None:
+        if args.per_rank_batch_size < 1:
+            raise ConfigError(f"--per-rank-batch-size must be >= 1, got {args.per_rank_batch_size}")
+        global_batch_size = args.per_rank_batch_size * world_size
     return RunConfig(
         strategy=args.strategy, world_size=world_size, model=args.model,
-        global_batch_size=args.global_batch_size, grad_accum_steps=args.grad_accum_steps,
+        global_batch_size=global_batch_size, grad_accum_steps=args.grad_accum_steps,
         seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
         activation_checkpointing=args.activation_checkpointing, dataset=args.dataset, seed=args.seed,
         device=args.device, bucket_cap_mb=args.bucket_cap_mb, threads_per_worker=args.threads_per_worker,
@@ -62,6 +69,8 @@ def cmd_run(args) -> int:
     mem = record["peak_memory_bytes_by_rank"][0]
     print(f"{cfg.strategy} on {cfg.world_size} process(es), {record['provenance']['backend']}, "
           f"model {cfg.model} ({record['parameters']:,} parameters)")
+    print(f"  batch       {cfg.global_batch_size} samples per step = {cfg.world_size} process(es) x "
+          f"{cfg.per_rank_batch_size} (micro-batches of {cfg.micro_batch_size})")
     print(f"  loss        {record['loss'][0]:.4f} -> {record['loss'][-1]:.4f} over {cfg.steps} steps")
     print(f"  step time   {record['step_time_s'] * 1e3:.1f} ms (median of {record['timed_steps']} steps)")
     print(f"  throughput  {record['tokens_per_s']:,.0f} tokens/s, {record['samples_per_s']:,.1f} samples/s")
@@ -76,10 +85,9 @@ def cmd_check(args) -> int:
     from multigpu.check import check
 
     cfg = _config(args)
-    result = check(cfg.strategy, cfg.world_size, steps=args.steps, tolerance=args.tolerance,
-                   model=cfg.model, global_batch_size=cfg.global_batch_size, optimizer=cfg.optimizer,
-                   grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed, dataset=cfg.dataset,
-                   lr=cfg.lr, device=cfg.device)
+    options = {k: v for k, v in cfg.to_dict().items()
+               if k not in ("strategy", "world_size", "steps", "track_memory", "fault", "extra")}
+    result = check(cfg.strategy, cfg.world_size, steps=args.steps, tolerance=args.tolerance, **options)
     if args.json:
         print(json.dumps(result))
     else:

@@ -74,7 +74,7 @@ class RunConfig:
     def num_samples(self) -> int:
         return self.dataset_size or self.global_batch_size * max(self.steps, 1)
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         from multigpu.models import PRESETS  # local import: models imports torch
 
         _choose("strategy", self.strategy, STRATEGIES)
@@ -133,7 +133,7 @@ class RunConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RunConfig":
+    def from_dict(cls, data: dict) -> RunConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -143,7 +143,7 @@ class RunConfig:
             )
         return cls(**data)
 
-    def replace(self, **changes) -> "RunConfig":
+    def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)
 
 

@@ -12,6 +12,7 @@ wrong: a worker's traceback tail, a killed worker, a timeout. It never hangs.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -62,24 +63,36 @@ def _show_progress(progress: bool | None) -> bool:
     return sys.stderr.isatty() or "ipykernel" in sys.modules
 
 
+# a traceback that only says "my peer went away" is a consequence, not the cause
+_SECONDARY = ("Connection reset", "Connection closed", "DistBackendError", "Broken pipe", "SIGTERM")
+
+
 def _failure_message(out_dir: Path, rc: int, output_tail: list[str]) -> str:
-    lines = [f"the run failed (torchrun exit code {rc})."]
-    for path in sorted(out_dir.glob("error-rank*.txt")):
-        rank = path.stem.removeprefix("error-rank")
-        tb = path.read_text().strip().splitlines()
-        lines.append(f"rank {rank} raised {tb[-1] if tb else 'an error'}; traceback tail:")
+    """The root cause first: killed ranks, then ranks that raised, then ranks whose error
+    only reports a peer that went away. (torchrun stops the survivors with SIGTERM, so a
+    SIGTERM is named only when nothing else explains the failure.)"""
+    text = "\n".join(output_tail)
+    killed, stopped = [], []
+    for rank, code in re.findall(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text):
+        code = int(code)
+        if code < 0 and -code in signal.Signals._value2member_map_:
+            name = signal.Signals(-code).name
+            hint = " (often: out of memory)" if name == "SIGKILL" else ""
+            (stopped if name == "SIGTERM" else killed).append(f"rank {rank} was killed by signal {name}{hint}.")
+    tracebacks = []
+    for path in out_dir.glob("error-rank*.txt"):
+        rank = int(path.stem.removeprefix("error-rank"))
+        tb = path.read_text().strip().splitlines() or ["(empty traceback)"]
+        secondary = any(marker in tb[-1] for marker in _SECONDARY)
+        tracebacks.append((secondary, rank, tb))
+    lines = [f"the run failed (torchrun exit code {rc}).", *killed]
+    for secondary, rank, tb in sorted(tracebacks):
+        because = " (a consequence: a peer stopped)" if secondary else ""
+        lines.append(f"rank {rank} raised {tb[-1]}{because}; traceback tail:")
         lines += ["    " + line for line in tb[-12:]]
-    if len(lines) == 1:  # nobody left a traceback: killed from outside
-        text = "\n".join(output_tail)
-        for rank, code in re.findall(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text):
-            code = int(code)
-            if code < 0:
-                name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
-                hint = " (often: out of memory)" if name == "SIGKILL" else ""
-                lines.append(f"rank {rank} was killed by signal {name}{hint}.")
-            else:
-                lines.append(f"rank {rank} exited with code {code} without a traceback.")
-        lines.append("last lines of output:")
+    if not killed and not tracebacks:
+        lines += stopped
+        lines.append("no rank left a traceback; last lines of output:")
         lines += ["    " + line for line in output_tail[-15:]]
     return "\n".join(lines)
 
@@ -107,7 +120,6 @@ def launch(
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _say_once(f"multigpu: using {why}")
-    threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
 
     if port is not None:
         check_port_free(port)
@@ -115,6 +127,16 @@ def launch(
     else:
         rendezvous = ["--standalone"]
     out_dir = Path(tempfile.mkdtemp(prefix="multigpu-run-"))
+    try:  # whatever happens, the run's folder goes away
+        return _run(cfg, device, rendezvous, out_dir, timeout_s=timeout_s, progress=progress,
+                    params_path=params_path, verbose=verbose)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, timeout_s, progress,
+         params_path, verbose) -> dict:
+    threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
     (out_dir / "config.json").write_text(cfg.to_json())
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nnodes=1",
            f"--nproc-per-node={cfg.world_size}", "--max-restarts=0",
@@ -144,7 +166,7 @@ def launch(
             if remaining <= 0:
                 _stop(proc)
                 raise LaunchError(
-                    f"no result after {timeout_s:.0f} s, so every worker was stopped; "
+                    f"no result after {timeout_s:g} s, so every worker was stopped; "
                     f"raise timeout_s or run fewer steps ({cfg.steps}) or a smaller model ({cfg.model})"
                 )
             try:
@@ -171,18 +193,13 @@ def launch(
         if bar is not None:
             bar.close()
 
-    try:
-        if rc != 0 or not (out_dir / "record.json").exists():
-            raise LaunchError(_failure_message(out_dir, rc, list(tail)))
-        import json
-
-        record = json.loads((out_dir / "record.json").read_text())
-        record["wall_time_s"] = time.monotonic() - start
-        if params_path is not None:
-            shutil.move(out_dir / "params.pt", params_path)
-        return record
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+    if rc != 0 or not (out_dir / "record.json").exists():
+        raise LaunchError(_failure_message(out_dir, rc, list(tail)))
+    record = json.loads((out_dir / "record.json").read_text())
+    record["wall_time_s"] = time.monotonic() - start
+    if params_path is not None:
+        shutil.move(out_dir / "params.pt", params_path)
+    return record
 
 
 def _stop(proc: subprocess.Popen) -> None:

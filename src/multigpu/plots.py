@@ -6,7 +6,6 @@ Figure whose footer names the machine, backend, devices and date that produced t
 
 from __future__ import annotations
 
-
 import matplotlib.pyplot as plt
 
 from multigpu.memory import CATEGORIES

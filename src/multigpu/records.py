@@ -88,10 +88,14 @@ def write_records(path: Path, records: list[dict]) -> None:
     """Replace `path` with `records`, all or nothing (write aside, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for record in records:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            for record in records:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # the old file, if any, is untouched
+        raise
 
 
 def read_records(path: Path) -> list[dict]:

@@ -1,9 +1,9 @@
 """The one training loop every strategy shares.
 
 Per step it records wall time and the loss. Steps 0 and 1 run under the memory tracker
-(step 0 creates the optimizer state, step 1 is a steady-state step), step 1 also under the
-communication counter; the steps after them are timed with nothing attached, so the
-measurement tools never slow down the times we report.
+(step 0 creates the optimizer state, step 1 is a steady-state step), step 2 under the
+communication counter (step 1 may still hold one-off set-up traffic); the steps after them
+are timed with nothing attached, so the measurement tools never slow down the times we report.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def train(cfg: RunConfig, rt) -> dict:
     losses, step_times_s = [], []
     memory_tracker, comm = None, None
     last_tracked_step = min(1, cfg.steps - 1) if cfg.track_memory else -1
-    comm_step = min(1, cfg.steps - 1)
+    comm_step = min(2, cfg.steps - 1)  # DDP re-plans its buckets on step 1 (a one-off broadcast)
     tracking = ExitStack()
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)

@@ -7,9 +7,9 @@ strategy is trained, timed and measured by the same code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
