@@ -200,3 +200,18 @@ def test_comm_counter_three_processes(tmp_path):
         assert calls == {kind: 1}, name
         assert payload_bytes == {kind: payload}, name
         assert sent[kind] == pytest.approx(factor * payload), name
+
+
+@pytest.mark.slow
+def test_saved_activations_grow_with_the_batch_and_split_over_ranks():
+    """Saved activations are proportional to the batch (4x the samples, 4x the bytes), and a
+    data-parallel rank saves exactly what one process saves for the same per-rank batch."""
+
+    def saved(strategy, world_size, batch):
+        cfg = RunConfig(strategy=strategy, world_size=world_size, model="gpt-tiny", steps=2,
+                        global_batch_size=batch, dataset="dummy")
+        return launch(cfg, progress=False)["saved_activation_bytes_by_rank"]
+
+    (small,), (large,) = saved("single", 1, 2), saved("single", 1, 8)
+    assert large / small == pytest.approx(4, rel=0.02)
+    assert saved("ddp", 2, 4) == [small, small]

@@ -41,18 +41,27 @@ def fold_snapshot(snapshot: dict) -> dict[str, int]:
 
 
 class PeakMemoryTracker:
-    """Peak memory by category of everything done inside the `with` block, which may
-    span several training steps (call `next_step()` between them).
+    """Memory of everything done inside the `with` block, which may span several forward
+    passes (call `next_forward()` before each).
 
-    `tracked`: objects created before the block (modules, optimizers, tensors) that must
-    be counted too. After the block, `by_category` holds the breakdown at the peak."""
+    After the block:
+    - `by_category`: the categories alive at the moment of the peak (they sum to it);
+    - `saved_activation_bytes`: activations alive when `model`'s forward returns, i.e. what
+      forward keeps for backward (largest over the forwards seen). At the peak some of them
+      may already be freed, so this is the number to compare across batch sizes.
 
-    def __init__(self, *tracked):
+    `model`: the plain model (not a wrapper such as DDP, whose own forward allocates
+    communication buffers); `tracked`: objects created before the block (wrappers,
+    optimizers, buffers) to count too."""
+
+    def __init__(self, model, *tracked):
         from torch.distributed._tools.mem_tracker import MemTracker
 
         self.by_category = empty_breakdown()
+        self.saved_activation_bytes = 0
+        self._model = model
         self._tracker = MemTracker()
-        self._tracker.track_external(*tracked)
+        self._tracker.track_external(model, *tracked)
 
     def __enter__(self):
         self._tracker.__enter__()
@@ -60,10 +69,23 @@ class PeakMemoryTracker:
 
     def __exit__(self, *exc):
         self._tracker.__exit__(*exc)
+        self._collect_forward()
         self.by_category.update(fold_snapshot(self._tracker.get_tracker_snapshot("peak")))
 
     def next_forward(self) -> None:
-        self._tracker.reset_mod_stats()  # per-module stats are per forward; the peak stays
+        self._collect_forward()
+        self._tracker.reset_mod_stats()  # per-module stats hold one forward; the peak stays
+
+    def _collect_forward(self) -> None:
+        stats = self._tracker.memory_tracking.get(self._model)
+        if stats is None:
+            return
+        by_state = {getattr(state, "value", state): snaps for state, snaps in stats.snapshots.items()}
+        # activations created by this forward and still alive when it returns: the
+        # difference between the snapshots taken just before and just after it
+        for before, after in zip(by_state.get("Pre-Forward", []), by_state.get("Post-Forward", [])):
+            saved = fold_snapshot(after)["activations"] - fold_snapshot(before)["activations"]
+            self.saved_activation_bytes = max(self.saved_activation_bytes, saved)
 
 
 def unique_tensors(tensors) -> list[torch.Tensor]:

@@ -45,18 +45,20 @@ def memory_stacked(records, labels, title="Peak memory of rank 0, by category"):
 
 
 def memory_growth(records, x_of, xlabel, title):
-    """Activations (and the total) at the peak, as a batch or sequence dimension grows."""
+    """Saved activations and the peak, as a batch or sequence dimension grows."""
     fig, (ax,) = _figure(records)
     rows = sorted(records, key=x_of)
     xs = [x_of(r) for r in rows]
-    for cat in ("activations", "other", "params"):
-        ax.plot(xs, [r["peak_memory_bytes_by_rank"][0][cat] / MiB for r in rows], "o-", label=cat,
-                color=COLORS[cat])
-    ax.plot(xs, [r["peak_memory_bytes_by_rank"][0]["total"] / MiB for r in rows], "k--", label="total")
+    model_states = [sum(r["model_state_bytes_by_rank"][0].values()) / MiB for r in rows]
+    ax.plot(xs, [r["saved_activation_bytes_by_rank"][0] / MiB for r in rows], "o-", color=COLORS["activations"],
+            label="activations saved by forward")
+    ax.plot(xs, model_states, "o-", color=COLORS["params"], label="model states (params + grads + optimizer)")
+    ax.plot(xs, [r["peak_memory_bytes_by_rank"][0]["total"] / MiB for r in rows], "k--", label="peak total")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("MiB at the peak")
+    ax.set_ylabel("MiB")
     ax.set_title(title)
     ax.legend()
     return fig

@@ -68,7 +68,8 @@ def train(cfg: RunConfig, rt) -> dict:
     for step in range(cfg.steps):
         _maybe_fail(cfg, rt.rank, step)
         if step == 0 and cfg.track_memory:
-            memory_tracker = tracking.enter_context(PeakMemoryTracker(par.module, par.optimizer, *par.tracked))
+            memory_tracker = PeakMemoryTracker(par.model, par.module, par.optimizer, *par.tracked)
+            tracking.enter_context(memory_tracker)
         counter = CommCounter(rt.world_size) if step == comm_step else nullcontext()
         _synchronize(rt.device)
         start = time.perf_counter()
@@ -111,6 +112,7 @@ def train(cfg: RunConfig, rt) -> dict:
         "timed_steps": len(untracked) or len(step_times_s),
         "model_states": model_states,
         "memory": memory_tracker.by_category if memory_tracker else empty_breakdown(),
+        "saved_activation_bytes": memory_tracker.saved_activation_bytes if memory_tracker else 0,
         "cuda_allocator_peak_bytes": torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else None,
         "comm_calls": dict(comm.calls) if comm else {},
         "comm_payload_bytes": dict(comm.payload_bytes) if comm else {},
