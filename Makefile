@@ -25,7 +25,7 @@ test: $(STAMP)  ## run the whole test suite (unit, parity on 2 and 4 processes, 
 	$(PY) -m pytest
 
 book: $(STAMP)  ## execute every chapter on this machine and build the HTML site in _build/html
-	MULTIGPU_PROGRESS=0 $(VENV)/bin/jupyter-book build . -W -n --keep-going
+	MULTIGPU_PROGRESS=0 $(VENV)/bin/jupyter-book build . -W -n --keep-going $(BOOK_FLAGS)
 
 notebooks: $(STAMP)  ## export .ipynb copies of the chapters into _build/notebooks
 	mkdir -p _build/notebooks
@@ -33,8 +33,8 @@ notebooks: $(STAMP)  ## export .ipynb copies of the chapters into _build/noteboo
 
 figures: $(STAMP)  ## re-run the experiments on this machine (results/<machine>/), then rebuild the book
 	$(PY) -m multigpu figures
-	rm -rf _build/.jupyter_cache  # the chapters read the new records: execute them again
-	$(MAKE) book
+	rm -rf _build/.jupyter_cache  # the chapters read the new records: execute them all again
+	$(MAKE) book BOOK_FLAGS=--all
 
 lab: $(STAMP)  ## open the chapters as notebooks in JupyterLab
 	$(VENV)/bin/jupyter lab book/

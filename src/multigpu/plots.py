@@ -105,8 +105,9 @@ def comm_vs_rule(records, title="Bytes each rank sends per step: measured payloa
     ax.plot(list(pos), grad_bytes, "k_", markersize=40, label="gradient bytes (4 x parameters)")
     ax.set_xticks(list(pos), [f"N = {n}" for n in ns])
     ax.set_ylabel("MiB per step, per rank")
+    ax.set_ylim(0, 1.45 * max(sent + payload))
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     return fig
 
 
