@@ -59,6 +59,23 @@ def test_matches_single_device_with_grad_accumulation(strategy, overrides):
     assert_parity(result, strategy, 2)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "strategy, overrides",
+    [
+        ("ddp", dict(model="t5-tiny")),  # the sources' model family: Hugging Face T5
+        ("ddp-scratch", dict(model="t5-tiny", activation_checkpointing=True)),
+        ("ddp-scratch", dict(activation_checkpointing=True, optimizer="adamw", lr=1e-3)),
+    ],
+    ids=["ddp-t5", "ddp-scratch-t5-checkpointing", "ddp-scratch-gpt-checkpointing-adamw"],
+)
+def test_matches_single_device_other_models_and_options(strategy, overrides):
+    """T5 (encoder-decoder), activation checkpointing and AdamW change nothing about parity."""
+    result = check(strategy, 2, steps=STEPS, tolerance=TOLERANCE, progress=False, **overrides)
+    assert_parity(result, strategy, 2)
+
+
 def _trained_params(tmp_path, name: str, **changes) -> dict[str, torch.Tensor]:
     # the same settings `check` uses for its runs
     cfg = RunConfig(strategy="single", model="gpt-tiny", global_batch_size=8, steps=STEPS,

@@ -82,13 +82,13 @@ def _failure_message(out_dir: Path, rc: int, output_tail: list[str]) -> str:
     tracebacks = []
     for path in out_dir.glob("error-rank*.txt"):
         rank = int(path.stem.removeprefix("error-rank"))
-        tb = path.read_text().strip().splitlines() or ["(empty traceback)"]
-        secondary = any(marker in tb[-1] for marker in _SECONDARY)
-        tracebacks.append((secondary, rank, tb))
+        summary, *tb = path.read_text().strip().splitlines() or ["(no message)"]
+        secondary = any(marker in summary for marker in _SECONDARY)
+        tracebacks.append((secondary, rank, summary, tb))
     lines = [f"the run failed (torchrun exit code {rc}).", *killed]
-    for secondary, rank, tb in sorted(tracebacks):
+    for secondary, rank, summary, tb in sorted(tracebacks):
         because = " (a consequence: a peer stopped)" if secondary else ""
-        lines.append(f"rank {rank} raised {tb[-1]}{because}; traceback tail:")
+        lines.append(f"rank {rank} raised {summary}{because}; traceback tail:")
         lines += ["    " + line for line in tb[-12:]]
     if not killed and not tracebacks:
         lines += stopped

@@ -141,6 +141,7 @@ def t5_config(name: str):
         feed_forward_proj="relu",
         decoder_start_token_id=0,
         pad_token_id=0,
+        use_cache=False,  # training: no key/value cache (it also breaks activation checkpointing)
     )
 
 

@@ -80,8 +80,10 @@ def main(argv=None) -> int:
             os.replace(tmp, args.out / "record.json")
         dist.barrier()
         return 0
-    except BaseException:
-        (args.out / f"error-rank{rank}.txt").write_text(traceback.format_exc())
+    except BaseException as err:
+        # first line: what went wrong, in one line; then the full traceback
+        summary = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        (args.out / f"error-rank{rank}.txt").write_text(summary + "\n" + traceback.format_exc())
         raise
     finally:
         runtime.teardown()

@@ -1,0 +1,68 @@
+"""The book's structure and its committed records (the build itself is `make book`).
+
+Every chapter in _toc.yml exists as a MyST notebook; every experiment a chapter loads is
+one that `make figures` runs, and has committed records with the schema chapters read."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from multigpu import records
+from multigpu.experiments import EXPERIMENTS
+from multigpu.memory import CATEGORIES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def chapters() -> list[Path]:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]] + [c["file"] for part in toc["parts"] for c in part["chapters"]]
+    return [ROOT / f"{f}.md" for f in files]
+
+
+@pytest.mark.parametrize("chapter", chapters(), ids=lambda p: p.stem)
+def test_chapter_is_a_myst_notebook(chapter):
+    text = chapter.read_text()
+    assert text.startswith("---\njupytext:"), f"{chapter} lacks the jupytext header"
+    assert "format_name: myst" in text
+    assert "```{code-cell} ipython3" in text, f"{chapter} has no code cell"
+
+
+def loaded_experiments() -> set[str]:
+    names = set()
+    for chapter in chapters():
+        names |= set(re.findall(r'records\.load\("([a-z_]+)"\)', chapter.read_text()))
+    return names
+
+
+def test_chapters_load_only_experiments_that_make_figures_runs():
+    assert loaded_experiments(), "no chapter loads records"
+    assert loaded_experiments() <= set(EXPERIMENTS)
+
+
+REQUIRED = {"config", "step_time_s", "tokens_per_s", "loss", "peak_memory_bytes_by_rank",
+            "comm_bytes_per_step_by_rank", "provenance", "saved_activation_bytes_by_rank",
+            "model_state_bytes_by_rank", "parameters"}
+
+
+@pytest.mark.parametrize("experiment", sorted(EXPERIMENTS))
+def test_committed_records_have_the_schema(experiment):
+    tags = records.machines_with(experiment)
+    assert tags, f"no committed records of {experiment}: run `make figures` and commit results/"
+    for tag in tags:
+        runs = records.load(experiment, tag)
+        assert len(runs) == len(EXPERIMENTS[experiment]()) or not tag.startswith("cpu-"), (
+            f"{tag}/{experiment}.jsonl has {len(runs)} records, the experiment has "
+            f"{len(EXPERIMENTS[experiment]())} runs")
+        for run in runs:
+            assert REQUIRED <= run.keys()
+            world_size = run["config"]["world_size"]
+            assert len(run["peak_memory_bytes_by_rank"]) == world_size
+            assert all(set(m) == {*CATEGORIES, "total"} for m in run["peak_memory_bytes_by_rank"])
+            assert len(run["loss"]) == run["config"]["steps"]
+            assert run["provenance"]["machine_tag"] == tag
+            assert run["provenance"]["world_size"] == world_size
