@@ -103,3 +103,14 @@ def test_weight_comparison_detects_real_differences(tmp_path):
     doubled_step = _trained_params(tmp_path, "lr2x", lr=0.1)
     assert _max_abs_diff(reference, other_seed) > 100 * TOLERANCE
     assert _max_abs_diff(reference, doubled_step) > 100 * TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs (NCCL); the CPU path above is what CI runs")
+@pytest.mark.parametrize("strategy", ["ddp", "ddp-scratch"])
+def test_matches_single_device_on_gpus(strategy):
+    """The same parity over NCCL on CUDA GPUs (the reference runs on one GPU)."""
+    result = check(strategy, 2, steps=STEPS, tolerance=TOLERANCE, device="cuda", progress=False)
+    assert_parity(result, strategy, 2)

@@ -19,13 +19,14 @@ from multigpu.config import RunConfig
 from multigpu.launch import launch
 
 
-def on_gpus() -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 1
+def on_gpus(count: int = 1) -> bool:
+    """Whether `count` CUDA GPUs are here: the runs then use NCCL and GPT-2 sizes."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= count
 
 
 def max_world_size() -> int:
-    """Processes the scaling sweeps go up to: every GPU, or 4 CPU processes."""
-    return torch.cuda.device_count() if on_gpus() else 4
+    """Processes the scaling sweeps go up to: every GPU (if 2 or more), or 4 CPU processes."""
+    return torch.cuda.device_count() if on_gpus(2) else 4
 
 
 def _one_device_memory() -> list[RunConfig]:
@@ -54,7 +55,7 @@ def _one_device_techniques() -> list[RunConfig]:
 
 def _ddp_scaling() -> list[RunConfig]:
     """Step time and bytes all-reduced as processes grow, per-process batch held fixed."""
-    model, per_rank, seq = ("gpt2", 8, 256) if on_gpus() else ("gpt-mini", 8, 128)
+    model, per_rank, seq = ("gpt2", 8, 256) if on_gpus(2) else ("gpt-mini", 8, 128)
     runs = [RunConfig(model=model, global_batch_size=per_rank, seq_len=seq, steps=8, dataset="dummy")]
     n = 1
     while n <= max_world_size():
@@ -67,7 +68,7 @@ def _ddp_scaling() -> list[RunConfig]:
 
 def _ddp_vs_scratch() -> list[RunConfig]:
     """ddp and ddp-scratch alternated (A B A B ...) in one sweep, so both see the same noise."""
-    model, batch, seq, n = ("gpt2", 16, 256, 2) if on_gpus() else ("gpt-small", 8, 128, 2)
+    model, batch, seq, n = ("gpt2", 16, 256, 2) if on_gpus(2) else ("gpt-small", 8, 128, 2)
     return [RunConfig(strategy=s, world_size=n, model=model, global_batch_size=batch, seq_len=seq,
                       steps=20, dataset="dummy", bucket_cap_mb=4.0, track_memory=False,
                       extra={"repeat": r})
@@ -76,7 +77,7 @@ def _ddp_vs_scratch() -> list[RunConfig]:
 
 def _ddp_buckets() -> list[RunConfig]:
     """Bucket size: many small all-reduces against a few large ones."""
-    model, batch, seq = ("gpt2", 16, 256) if on_gpus() else ("gpt-small", 8, 128)
+    model, batch, seq = ("gpt2", 16, 256) if on_gpus(2) else ("gpt-small", 8, 128)
     return [RunConfig(strategy="ddp-scratch", world_size=2, model=model, global_batch_size=batch, seq_len=seq,
                       steps=10, dataset="dummy", bucket_cap_mb=cap, track_memory=False)
             for cap in (0.0625, 0.25, 1.0, 4.0, 32.0)]
@@ -84,7 +85,7 @@ def _ddp_buckets() -> list[RunConfig]:
 
 def _ddp_learning() -> list[RunConfig]:
     """The learnable task: single and DDP loss curves on the same global batches."""
-    model = "gpt2" if on_gpus() else "gpt-tiny"
+    model = "gpt2" if on_gpus(2) else "gpt-tiny"
     base = RunConfig(model=model, global_batch_size=16, steps=60, optimizer="adamw", lr=3e-3,
                      dataset="synthetic", track_memory=False)
     return [base, base.replace(strategy="ddp", world_size=2), base.replace(strategy="ddp-scratch", world_size=2)]
