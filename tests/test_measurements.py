@@ -215,3 +215,15 @@ def test_saved_activations_grow_with_the_batch_and_split_over_ranks():
     (small,), (large,) = saved("single", 1, 2), saved("single", 1, 8)
     assert large / small == pytest.approx(4, rel=0.02)
     assert saved("ddp", 2, 4) == [small, small]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/net/dev"), reason="needs Linux's loopback byte counter")
+def test_bytes_on_the_wire_follow_the_ring_rule():
+    """What really crossed the loopback in one DDP step, per rank, is the ring all-reduce's
+    2(N-1)/N x gradient bytes (TCP/IP headers allow a little more)."""
+    for world_size in (2, 4):
+        rec = record("ddp", world_size)
+        rule = 2 * (world_size - 1) / world_size * 4 * P
+        per_rank = rec["loopback_bytes_per_step"] / world_size
+        assert 0.98 <= per_rank / rule <= 1.15, (world_size, per_rank, rule)

@@ -15,6 +15,7 @@ import torch
 
 from multigpu.config import RunConfig
 from multigpu.launch import launch
+from multigpu.runtime import choose_device
 
 
 def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 1e-5,
@@ -25,6 +26,10 @@ def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 
                 lr=0.05, dataset="synthetic", track_memory=False)
     base.update(overrides)
     cfg = RunConfig(strategy=strategy, world_size=world_size, **base).validate()
+    # both runs on the same kind of device: on a 1-GPU machine the N-process run falls back
+    # to the CPU, and the reference must not run on the GPU then
+    device, _, _ = choose_device(cfg.device, world_size)
+    cfg = cfg.replace(device=device)
     reference = cfg.replace(strategy="single", world_size=1, grad_accum_steps=1, extra={})
     with tempfile.TemporaryDirectory(prefix="multigpu-check-") as tmp:
         ours_path, ref_path = Path(tmp, "ours.pt"), Path(tmp, "ref.pt")

@@ -9,11 +9,16 @@ Two numbers per kind:
 - bytes sent: what a bandwidth-optimal (ring) algorithm makes each rank send for that
   payload on N ranks, e.g. 2(N-1)/N x payload for all-reduce. Backends choose their own
   algorithms, so this is the textbook cost of the measured payload, not a packet count.
+
+What really crossed the wire is measured separately where it can be: when all ranks run on
+one machine over gloo, their traffic goes through the loopback interface, whose byte
+counter (`loopback_tx_bytes`) we read before and after a step.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -92,3 +97,18 @@ class CommCounter(TorchDispatchMode):
     @property
     def sent_bytes(self) -> dict[str, float]:
         return {k: sent_bytes(k, b, self.world_size) for k, b in self.payload_bytes.items()}
+
+
+def loopback_tx_bytes() -> int | None:
+    """Bytes transmitted so far on this machine's loopback interface (Linux), or None.
+
+    Every byte one local process sends another over TCP is counted once here (plus TCP/IP
+    headers), so the difference across a step, divided by N, is what each of N ranks sent."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, _, counters = line.partition(":")
+            if name.strip() == "lo":
+                return int(counters.split()[8])  # receive has 8 fields, then transmit bytes
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -24,6 +24,11 @@ def on_gpus(count: int = 1) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= count
 
 
+def ddp_device() -> str:
+    """Multi-process experiments run on GPUs only if there are at least 2, else on the CPU."""
+    return "cuda" if on_gpus(2) else "cpu"
+
+
 def max_world_size() -> int:
     """Processes the scaling sweeps go up to: every GPU (if 2 or more), or 4 CPU processes."""
     return torch.cuda.device_count() if on_gpus(2) else 4
@@ -32,7 +37,7 @@ def max_world_size() -> int:
 def _one_device_memory() -> list[RunConfig]:
     """Memory of one device by optimizer, batch size and sequence length."""
     model, batch, seq = ("gpt2", 8, 256) if on_gpus() else ("gpt-small", 2, 64)
-    base = RunConfig(model=model, global_batch_size=batch, seq_len=seq, steps=4, dataset="dummy")
+    base = RunConfig(model=model, global_batch_size=batch, seq_len=seq, steps=6, dataset="dummy")
     runs = [base.replace(optimizer=o) for o in ("sgd", "sgd-momentum", "adamw")]
     runs += [base.replace(global_batch_size=b, extra={"sweep": "batch"}) for b in (1, 2, 4, 8, 16)]
     runs += [base.replace(seq_len=s, extra={"sweep": "seq_len"}) for s in (32, 64, 128, 256)]
@@ -42,7 +47,7 @@ def _one_device_memory() -> list[RunConfig]:
 def _one_device_techniques() -> list[RunConfig]:
     """What bf16 mixed precision, activation checkpointing and accumulation change."""
     model, batch, seq = ("gpt2", 16, 512) if on_gpus() else ("gpt-small", 8, 128)
-    base = RunConfig(model=model, global_batch_size=batch, seq_len=seq, steps=6, optimizer="adamw",
+    base = RunConfig(model=model, global_batch_size=batch, seq_len=seq, steps=10, optimizer="adamw",
                      dataset="dummy")
     return [
         base.replace(extra={"technique": "baseline"}),
@@ -56,12 +61,13 @@ def _one_device_techniques() -> list[RunConfig]:
 def _ddp_scaling() -> list[RunConfig]:
     """Step time and bytes all-reduced as processes grow, per-process batch held fixed."""
     model, per_rank, seq = ("gpt2", 8, 256) if on_gpus(2) else ("gpt-mini", 8, 128)
-    runs = [RunConfig(model=model, global_batch_size=per_rank, seq_len=seq, steps=8, dataset="dummy")]
+    runs = [RunConfig(model=model, global_batch_size=per_rank, seq_len=seq, steps=8, dataset="dummy",
+                      device=ddp_device())]
     n = 1
     while n <= max_world_size():
         for strategy in ("ddp", "ddp-scratch"):
             runs.append(RunConfig(strategy=strategy, world_size=n, model=model, global_batch_size=per_rank * n,
-                                  seq_len=seq, steps=8, dataset="dummy"))
+                                  seq_len=seq, steps=8, dataset="dummy", device=ddp_device()))
         n *= 2
     return runs
 
@@ -71,7 +77,7 @@ def _ddp_vs_scratch() -> list[RunConfig]:
     model, batch, seq, n = ("gpt2", 16, 256, 2) if on_gpus(2) else ("gpt-small", 8, 128, 2)
     return [RunConfig(strategy=s, world_size=n, model=model, global_batch_size=batch, seq_len=seq,
                       steps=20, dataset="dummy", bucket_cap_mb=4.0, track_memory=False,
-                      extra={"repeat": r})
+                      device=ddp_device(), extra={"repeat": r})
             for r in range(3) for s in ("ddp", "ddp-scratch")]
 
 
@@ -79,15 +85,16 @@ def _ddp_buckets() -> list[RunConfig]:
     """Bucket size: many small all-reduces against a few large ones."""
     model, batch, seq = ("gpt2", 16, 256) if on_gpus(2) else ("gpt-small", 8, 128)
     return [RunConfig(strategy="ddp-scratch", world_size=2, model=model, global_batch_size=batch, seq_len=seq,
-                      steps=10, dataset="dummy", bucket_cap_mb=cap, track_memory=False)
-            for cap in (0.0625, 0.25, 1.0, 4.0, 32.0)]
+                      steps=10, dataset="dummy", bucket_cap_mb=cap, track_memory=False, device=ddp_device())
+            # 1024 MB holds any preset here in one bucket: one all-reduce after backward, no overlap
+            for cap in (0.0625, 0.25, 1.0, 4.0, 25.0, 1024.0)]
 
 
 def _ddp_learning() -> list[RunConfig]:
     """The learnable task: single and DDP loss curves on the same global batches."""
     model = "gpt2" if on_gpus(2) else "gpt-tiny"
     base = RunConfig(model=model, global_batch_size=16, steps=60, optimizer="adamw", lr=3e-3,
-                     dataset="synthetic", track_memory=False)
+                     dataset="synthetic", track_memory=False, device=ddp_device())
     return [base, base.replace(strategy="ddp", world_size=2), base.replace(strategy="ddp-scratch", world_size=2)]
 
 
@@ -104,7 +111,6 @@ EXPERIMENTS = {
 def run_experiment(name: str, *, progress: bool | None = None) -> list[dict]:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from: {', '.join(EXPERIMENTS)}")
-    path = records.results_path(name)
     done: list[dict] = []
     configs = EXPERIMENTS[name]()
     for i, cfg in enumerate(configs, start=1):
@@ -112,7 +118,12 @@ def run_experiment(name: str, *, progress: bool | None = None) -> list[dict]:
         record = launch(cfg, progress=progress)
         record["experiment"] = name
         done.append(record)
-        records.write_records(path, done)  # after every run: an interrupt keeps what finished
+        tags = {r["provenance"]["machine_tag"] for r in done}
+        if len(tags) > 1:
+            raise RuntimeError(f"experiment {name} mixed devices ({', '.join(sorted(tags))}); "
+                               "give its configs one device")
+        # after every run: an interrupt keeps what finished
+        records.write_records(records.results_path(name, tags.pop()), done)
         print(f"  [{name} {i}/{len(configs)}] {cfg.strategy} x{cfg.world_size} {cfg.model}: "
               f"{record['step_time_s'] * 1e3:.1f} ms/step ({time.monotonic() - start:.0f} s)", flush=True)
     return done

@@ -89,23 +89,25 @@ def scaling(records, title="DDP: step time and throughput as processes are added
     return fig
 
 
-def comm_vs_rule(records, title="Bytes each rank sends per step: measured payload vs the ring rule"):
-    """Per-rank all-reduce payload (= gradient bytes) and the ring's 2(N-1)/N of it."""
+def comm_vs_rule(records, title="Bytes each rank sends per step, measured and predicted"):
+    """Per rank: the all-reduce payload (= gradient bytes), the ring's 2(N-1)/N of it, and,
+    where measured, the bytes that really crossed the loopback interface."""
     fig, (ax,) = _figure(records)
     rows = sorted((r for r in records if r["config"]["world_size"] > 1 and r["config"]["strategy"] == "ddp"),
                   key=lambda r: r["config"]["world_size"])
     ns = [r["config"]["world_size"] for r in rows]
-    grad_bytes = [4 * r["parameters"] / MiB for r in rows]
     payload = [r["comm_payload_bytes_per_step_by_rank"][0].get("all_reduce", 0) / MiB for r in rows]
-    sent = [r["comm_bytes_per_step_by_rank"][0].get("all_reduce", 0) / MiB for r in rows]
-    width = 0.35
-    pos = range(len(ns))
-    ax.bar([p - width / 2 for p in pos], payload, width, label="all-reduce payload, measured", color="#4C72B0")
-    ax.bar([p + width / 2 for p in pos], sent, width, label="sent by ring: 2(N-1)/N x payload", color="#DD8452")
-    ax.plot(list(pos), grad_bytes, "k_", markersize=40, label="gradient bytes (4 x parameters)")
-    ax.set_xticks(list(pos), [f"N = {n}" for n in ns])
+    rule = [2 * (n - 1) / n * p for n, p in zip(ns, payload)]
+    wire = [(r.get("loopback_bytes_per_step") or 0) / r["config"]["world_size"] / MiB for r in rows]
+    width = 0.27
+    pos = list(range(len(ns)))
+    ax.bar([p - width for p in pos], payload, width, label="all-reduce payload (counted)", color="#4C72B0")
+    ax.bar(pos, rule, width, label="ring rule: 2(N-1)/N x payload", color="#DD8452")
+    if any(wire):
+        ax.bar([p + width for p in pos], wire, width, label="sent over loopback / N (measured)", color="#55A868")
+    ax.set_xticks(pos, [f"N = {n}" for n in ns])
     ax.set_ylabel("MiB per step, per rank")
-    ax.set_ylim(0, 1.45 * max(sent + payload))
+    ax.set_ylim(0, 1.45 * max(rule + payload + wire))
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper left")
     return fig
@@ -118,7 +120,8 @@ def buckets(records, title="Bucket size: all-reduce calls and step time (ddp-scr
     ax.plot(caps, [r["step_time_s"] * 1e3 for r in rows], "o-", color="#4C72B0")
     for cap, r in zip(caps, rows):
         calls = r["comm_calls_per_step_by_rank"][0].get("all_reduce", 0)
-        ax.annotate(f"{calls} all-reduce{'s' if calls != 1 else ''}", (cap, r["step_time_s"] * 1e3),
+        label = "1 all-reduce\n(after backward)" if calls == 1 else f"{calls} all-reduces"
+        ax.annotate(label, (cap, r["step_time_s"] * 1e3),
                     textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bucket_cap_mb")

@@ -61,17 +61,18 @@ def provenance(backend: str, world_size: int, device_type: str, threads_per_work
         "backend": backend,
         "world_size": world_size,
         "device_type": device_type,
-        "device_names": ([torch.cuda.get_device_name(i) for i in range(world_size)] if cuda
+        "device_names": ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda
                          else [cpu_name()]),
         "cpu_count": os.cpu_count(),
         "threads_per_worker": threads_per_worker,
-        "machine_tag": machine_tag(),
+        "machine_tag": machine_tag(device_type),
     }
 
 
-def machine_tag() -> str:
-    """'cpu-2core-gloo' or e.g. '8xH100-nccl': the folder this machine's records go to."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+def machine_tag(device_type: str = "auto") -> str:
+    """'cpu-2core-gloo' or e.g. '8xH100-nccl': the folder records go to. It names what ran
+    them: CPU runs on a GPU machine are filed under the CPU tag."""
+    if device_type != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > 0:
         name = torch.cuda.get_device_name(0).replace("NVIDIA", "").strip()
         short = next((w for w in name.split() if any(c.isdigit() for c in w)), name.split()[0])
         return f"{torch.cuda.device_count()}x{short}-nccl"

@@ -15,9 +15,10 @@ import time
 from contextlib import ExitStack, nullcontext
 
 import torch
+import torch.distributed as dist
 
 from multigpu import strategies
-from multigpu.comm import CommCounter
+from multigpu.comm import CommCounter, loopback_tx_bytes
 from multigpu.config import RunConfig, parse_fault
 from multigpu.data import TokenDataset, batches, make_loader
 from multigpu.memory import PeakMemoryTracker, empty_breakdown, optimizer_state_bytes, tensor_bytes, unique_tensors
@@ -62,6 +63,9 @@ def train(cfg: RunConfig, rt) -> dict:
     last_tracked_step = min(1, cfg.steps - 1) if cfg.track_memory else -1
     comm_step = min(2, cfg.steps - 1)  # DDP re-plans its buckets on step 1 (a one-off broadcast)
     tracking = ExitStack()
+    # all ranks on this machine talking over gloo: their traffic is the loopback's traffic
+    measure_wire = rt.backend == "gloo" and rt.world_size > 1 and loopback_tx_bytes() is not None
+    loopback_bytes = None
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
 
@@ -71,6 +75,9 @@ def train(cfg: RunConfig, rt) -> dict:
             memory_tracker = PeakMemoryTracker(par.model, par.module, par.optimizer, *par.tracked)
             tracking.enter_context(memory_tracker)
         counter = CommCounter(rt.world_size) if step == comm_step else nullcontext()
+        if step == comm_step and measure_wire:
+            dist.barrier()  # everyone starts the step together, so the counter sees only it
+            wire_before = loopback_tx_bytes()
         _synchronize(rt.device)
         start = time.perf_counter()
         with counter:
@@ -94,6 +101,9 @@ def train(cfg: RunConfig, rt) -> dict:
             tracking.close()
         if step == comm_step:
             comm = counter
+            if measure_wire:
+                dist.barrier()
+                loopback_bytes = loopback_tx_bytes() - wire_before
         losses.append(step_loss)
         if rt.is_main:
             print(f"{PROGRESS_MARK} {step + 1} {cfg.steps} {step_loss:.6f}", flush=True)
@@ -110,6 +120,7 @@ def train(cfg: RunConfig, rt) -> dict:
         "step_times_s": step_times_s,
         "step_time_s": statistics.median(untracked or step_times_s),
         "timed_steps": len(untracked) or len(step_times_s),
+        "step_time_includes_tracking": not untracked,  # too few steps to time any cleanly
         "model_states": model_states,
         "memory": memory_tracker.by_category if memory_tracker else empty_breakdown(),
         "saved_activation_bytes": memory_tracker.saved_activation_bytes if memory_tracker else 0,
@@ -117,6 +128,7 @@ def train(cfg: RunConfig, rt) -> dict:
         "comm_calls": dict(comm.calls) if comm else {},
         "comm_payload_bytes": dict(comm.payload_bytes) if comm else {},
         "comm_sent_bytes": comm.sent_bytes if comm else {},
+        "loopback_bytes": loopback_bytes,
         "state_dict": par.full_state_dict(),
         "seq_len": seq_len,
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -40,6 +40,7 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         "step_time_s": step_time_s,
         "step_times_s_by_rank": [r["step_times_s"] for r in results],
         "timed_steps": results[0]["timed_steps"],
+        "step_time_includes_tracking": results[0]["step_time_includes_tracking"],
         "tokens_per_s": tokens_per_step / step_time_s,
         "samples_per_s": cfg.global_batch_size / step_time_s,
         "loss": loss,
@@ -50,6 +51,8 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         "comm_calls_per_step_by_rank": [r["comm_calls"] for r in results],
         "comm_payload_bytes_per_step_by_rank": [r["comm_payload_bytes"] for r in results],
         "comm_bytes_per_step_by_rank": [r["comm_sent_bytes"] for r in results],
+        # measured: loopback bytes in one step, all ranks together (None if not measurable)
+        "loopback_bytes_per_step": results[0]["loopback_bytes"],
         "provenance": provenance(rt.backend, rt.world_size, rt.device.type, torch.get_num_threads()),
     }
 

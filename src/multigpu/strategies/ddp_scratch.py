@@ -5,9 +5,9 @@
 3. Gradients are averaged over ranks with all-reduce, so every rank takes the same
    optimizer step and the replicas stay identical.
 
-Step 3 is where the speed is. One all-reduce per parameter would pay the per-message
-latency hundreds of times; one all-reduce after backward would leave the network idle
-while backward computes. So, like DDP, we pack gradients into buckets of about
+Step 3 is where the speed is. One all-reduce per parameter tensor would pay the
+per-message latency once per tensor; one all-reduce after backward would leave the network
+idle while backward computes. So, like DDP, we pack gradients into buckets of about
 `bucket_cap_mb` and launch a bucket's all-reduce (asynchronously) the moment its last
 gradient is ready, while backward goes on computing earlier layers' gradients.
 (Li et al. 2020, "PyTorch Distributed", https://arxiv.org/abs/2006.15704)
