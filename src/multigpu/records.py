@@ -38,12 +38,17 @@ def cpu_name() -> str:
 
 
 def _git_commit() -> str | None:
+    """The commit the code ran from, '-dirty' if code (not recorded results) was changed."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=12"],
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
+        commit = git("rev-parse", "--short=12", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     except (OSError, subprocess.SubprocessError):
         return None
+    return (commit + ("-dirty" if changed else "")) if commit else None
 
 
 def provenance(backend: str, world_size: int, device_type: str, threads_per_worker: int) -> dict:
