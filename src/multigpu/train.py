@@ -76,7 +76,7 @@ def train(cfg: RunConfig, rt) -> dict:
             tracking.enter_context(memory_tracker)
         counter = CommCounter(rt.world_size) if step == comm_step else nullcontext()
         if step == comm_step and measure_wire:
-            dist.barrier()  # everyone starts the step together, so the counter sees only it
+            dist.barrier()  # all ranks start the step together: the byte counter sees just this step
             wire_before = loopback_tx_bytes()
         _synchronize(rt.device)
         start = time.perf_counter()
