@@ -131,3 +131,11 @@ def test_derived_sizes():
     assert cfg.micro_batch_size == 32 // (4 * 2)
     assert cfg.num_samples == 32 * 5  # enough samples for every step, no epoch repeats
     assert cfg.replace(dataset_size=100).num_samples == 100
+
+
+def test_sequence_longer_than_the_model_takes():
+    """gpt-tiny's position table has 64 rows: 65 tokens cannot be placed."""
+    with pytest.raises(ConfigError, match=r"seq_len=65 is longer than model 'gpt-tiny' can take \(64 positions\)"):
+        RunConfig(model="gpt-tiny", seq_len=65).validate()
+    RunConfig(model="gpt-tiny", seq_len=64).validate()
+    RunConfig(model="t5-tiny", seq_len=512).validate()  # relative positions: no fixed limit

@@ -113,6 +113,13 @@ class RunConfig:
             )
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
             raise ConfigError(f"seq_len must be a whole number >= 2, got {self.seq_len!r}")
+        from multigpu.models import max_seq_len
+
+        if self.seq_len is not None and max_seq_len(self.model) is not None and self.seq_len > max_seq_len(self.model):
+            raise ConfigError(
+                f"seq_len={self.seq_len} is longer than model {self.model!r} can take "
+                f"({max_seq_len(self.model)} positions); use at most {max_seq_len(self.model)} or a larger preset"
+            )
         if self.lr <= 0:
             raise ConfigError(f"lr must be positive, got {self.lr!r}")
         if self.bucket_cap_mb <= 0:

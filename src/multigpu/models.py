@@ -150,6 +150,11 @@ def vocab_size(name: str) -> int:
     return GPT_SIZES[name].vocab_size if family == "gpt" else t5_config(name).vocab_size
 
 
+def max_seq_len(name: str) -> int | None:
+    """Longest sequence a preset can take (GPT: its position table; T5: no limit)."""
+    return GPT_SIZES[name].seq_len if PRESETS[name][0] == "gpt" else None
+
+
 def default_seq_len(name: str) -> int:
     return PRESETS[name][1]
 
