@@ -150,21 +150,6 @@ def load(experiment: str, tag: str | None = None) -> list[dict]:
     return read_records(results_path(experiment, tag))
 
 
-def to_frame(records: list[dict]):
-    """One row per record: config fields flattened, main measurements as columns."""
-    import pandas as pd
-
-    rows = []
-    for r in records:
-        row = dict(r["config"])
-        for key in ("step_time_s", "tokens_per_s", "samples_per_s", "parameters", "name"):
-            row[key] = r.get(key)
-        row["final_loss"] = r["loss"][-1] if r.get("loss") else None
-        row["peak_total_bytes_rank0"] = r["peak_memory_bytes_by_rank"][0]["total"]
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
 def caption(records: list[dict]) -> str:
     """'Measured on cpu-2core-gloo: gloo, 2 x Intel ..., torch 2.13.0, 2026-11-21.'"""
     if not records:

@@ -58,9 +58,3 @@ def init(device_type: str, timeout_s: float = 300) -> Runtime:
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def print0(*args, **kwargs) -> None:
-    """print on rank 0 only, so N processes do not say the same thing N times."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
