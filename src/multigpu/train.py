@@ -76,8 +76,13 @@ def train(cfg: RunConfig, rt) -> dict:
             tracking.enter_context(memory_tracker)
         counter = CommCounter(rt.world_size) if step == comm_step else nullcontext()
         if step == comm_step and measure_wire:
-            dist.barrier()  # all ranks start the step together: the byte counter sees just this step
+            # The counter is machine-wide, so the window must hold exactly this step's traffic:
+            # everyone has finished the previous step, rank 0 reads, and only then may any rank
+            # start sending (a ring's first chunks need no reply, so a rank that raced ahead
+            # would send before the read). The barriers' own few hundred bytes count too.
+            dist.barrier()
             wire_before = loopback_tx_bytes()
+            dist.barrier()
         _synchronize(rt.device)
         start = time.perf_counter()
         with counter:
