@@ -15,7 +15,10 @@ STRATEGIES = {
     "single": "one process, one device: the reference every strategy is tested against",
     "ddp": "PyTorch DistributedDataParallel",
     "ddp-scratch": "data parallel from scratch: bucketed all-reduce overlapped with backward",
+    "dp": "DataParallel: one process, one thread per replica (nn.DataParallel on GPUs, from scratch on CPU)",
 }
+# strategies that run every replica as a thread of one process, not one process each
+ONE_PROCESS = ("single", "dp")
 DTYPES = ("fp32", "bf16-mixed")
 OPTIMIZERS = ("sgd", "sgd-momentum", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
@@ -62,6 +65,11 @@ class RunConfig:
     extra: dict = field(default_factory=dict)  # strategy-specific options
 
     # -- derived sizes -------------------------------------------------------------
+    @property
+    def processes(self) -> int:
+        """Worker processes to start: one per replica, except for one-process strategies."""
+        return 1 if self.strategy in ONE_PROCESS else self.world_size
+
     @property
     def per_rank_batch_size(self) -> int:
         return self.global_batch_size // self.world_size

@@ -119,6 +119,10 @@ def launch(
         device, backend, why = choose_device(cfg.device, cfg.world_size)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if cfg.strategy == "dp":  # one process: no backend, the replicas are threads
+        why = (f"torch.nn.DataParallel on {cfg.world_size} CUDA GPU(s)" if device == "cuda" else
+               f"DataParallel from scratch, {cfg.world_size} threads on the CPU "
+               f"(nn.DataParallel needs {cfg.world_size} CUDA GPUs; {why.removeprefix('gloo on CPU (')}")
     _say_once(f"multigpu: using {why}")
 
     if port is not None:
@@ -136,22 +140,41 @@ def launch(
 
 def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, timeout_s, progress,
          params_path, verbose) -> dict:
-    threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size)
     (out_dir / "config.json").write_text(cfg.to_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nnodes=1",
-           f"--nproc-per-node={cfg.world_size}", "--max-restarts=0",
-           "-m", "multigpu.worker", "--config", str(out_dir / "config.json"),
-           "--out", str(out_dir), "--device", device]
+    args = ["-m", "multigpu.worker", "--config", str(out_dir / "config.json"), "--out", str(out_dir),
+            "--device", device, *(["--save-params"] if params_path is not None else [])]
+    start = time.monotonic()
+    rc, tail = run_torchrun(
+        args, processes=cfg.processes, rendezvous=rendezvous,
+        threads=cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size),
+        timeout_s=timeout_s, progress=progress, bar=(cfg.steps, f"{cfg.strategy} x{cfg.world_size}"),
+        verbose=verbose,
+        timeout_hint=f"raise timeout_s or run fewer steps ({cfg.steps}) or a smaller model ({cfg.model})")
+    if rc != 0 or not (out_dir / "record.json").exists():
+        raise LaunchError(_failure_message(out_dir, rc, tail))
+    record = json.loads((out_dir / "record.json").read_text())
+    record["wall_time_s"] = time.monotonic() - start
     if params_path is not None:
-        cmd.append("--save-params")
+        shutil.move(out_dir / "params.pt", params_path)
+    return record
+
+
+def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], threads: int, timeout_s: float,
+                 progress: bool | None, bar: tuple[int, str], verbose: bool = False,
+                 timeout_hint: str = "raise timeout_s") -> tuple[int, list[str]]:
+    """Run `python -m torch.distributed.run ... <args>` on `processes` workers; return
+    (exit code, last output lines). Draws progress lines as a bar; stops every worker on a
+    timeout or an interrupt, so nothing is left running."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nnodes=1",
+           f"--nproc-per-node={processes}", "--max-restarts=0", *args]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([_SRC, *filter(None, [os.environ.get("PYTHONPATH")])]))
 
-    bar = None
+    progress_bar = None
     if _show_progress(progress):
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.steps, desc=f"{cfg.strategy} x{cfg.world_size}", unit="step", leave=False)
+        progress_bar = tqdm(total=bar[0], desc=bar[1], unit="step", leave=False)
     tail: deque[str] = deque(maxlen=200)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -165,10 +188,7 @@ def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, t
             remaining = timeout_s - (time.monotonic() - start)
             if remaining <= 0:
                 _stop(proc)
-                raise LaunchError(
-                    f"no result after {timeout_s:g} s, so every worker was stopped; "
-                    f"raise timeout_s or run fewer steps ({cfg.steps}) or a smaller model ({cfg.model})"
-                )
+                raise LaunchError(f"no result after {timeout_s:g} s, so every worker was stopped; {timeout_hint}")
             try:
                 line = lines.get(timeout=min(remaining, 1.0))
             except queue.Empty:
@@ -177,29 +197,21 @@ def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, t
                 break
             line = line.rstrip("\n")
             if line.startswith(PROGRESS_MARK):
-                if bar is not None:
-                    _, done, _total, loss = line.split()
-                    bar.n = int(done)
-                    bar.set_postfix(loss=float(loss), refresh=True)
+                if progress_bar is not None:
+                    _, done, _total, *value = line.split()
+                    progress_bar.n = int(done)
+                    progress_bar.set_postfix(loss=float(value[0]) if value else None, refresh=True)
                 continue
             tail.append(line)
             if verbose:
                 print(line, flush=True)
-        rc = proc.wait()
+        return proc.wait(), list(tail)
     except BaseException:  # timeout, Ctrl-C, or anything else: leave no worker behind
         _stop(proc)
         raise
     finally:
-        if bar is not None:
-            bar.close()
-
-    if rc != 0 or not (out_dir / "record.json").exists():
-        raise LaunchError(_failure_message(out_dir, rc, list(tail)))
-    record = json.loads((out_dir / "record.json").read_text())
-    record["wall_time_s"] = time.monotonic() - start
-    if params_path is not None:
-        shutil.move(out_dir / "params.pt", params_path)
-    return record
+        if progress_bar is not None:
+            progress_bar.close()
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -53,7 +53,9 @@ def train(cfg: RunConfig, rt) -> dict:
 
     seq_len = cfg.seq_len or default_seq_len(cfg.model)
     dataset = TokenDataset(cfg.model, cfg.dataset, cfg.num_samples, seq_len, vocab_size(cfg.model), cfg.seed)
-    loader, sampler = make_loader(dataset, cfg.micro_batch_size, rt.rank, rt.world_size, cfg.seed)
+    # a process's share of a micro-step (dp: one process feeds all its replicas)
+    process_batch = cfg.global_batch_size // (rt.world_size * cfg.grad_accum_steps)
+    loader, sampler = make_loader(dataset, process_batch, rt.rank, rt.world_size, cfg.seed)
     micro_steps_per_epoch = (cfg.num_samples // cfg.global_batch_size) * cfg.grad_accum_steps
     data = batches(loader, sampler, micro_steps_per_epoch, cfg.steps * cfg.grad_accum_steps)
     mixed = cfg.dtype == "bf16-mixed"
@@ -134,6 +136,7 @@ def train(cfg: RunConfig, rt) -> dict:
         "comm_payload_bytes": dict(comm.payload_bytes) if comm else {},
         "comm_sent_bytes": comm.sent_bytes if comm else {},
         "loopback_bytes": loopback_bytes,
+        "strategy_report": par.report() if par.report else {},
         "state_dict": par.full_state_dict(),
         "seq_len": seq_len,
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -33,6 +33,10 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
     loss = [sum(r["loss"][s] for r in results) / len(results) for s in range(steps)]
     step_time_s = max(r["step_time_s"] for r in results)  # the slowest rank sets the pace
     tokens_per_step = cfg.global_batch_size * results[0]["seq_len"]
+    report = results[0]["strategy_report"]
+    # one process, many replicas (dp): the strategy itself says what each replica holds
+    peak_by_rank = report.pop("peak_memory_bytes_by_replica", None) or [
+        {c: r["memory"][c] for c in (*CATEGORIES, "total")} for r in results]
     return {
         "config": cfg.to_dict(),
         "parameters": results[0]["parameters"],
@@ -45,7 +49,7 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         "samples_per_s": cfg.global_batch_size / step_time_s,
         "loss": loss,
         "model_state_bytes_by_rank": [r["model_states"] for r in results],
-        "peak_memory_bytes_by_rank": [{c: r["memory"][c] for c in (*CATEGORIES, "total")} for r in results],
+        "peak_memory_bytes_by_rank": peak_by_rank,
         "saved_activation_bytes_by_rank": [r["saved_activation_bytes"] for r in results],
         "cuda_allocator_peak_bytes_by_rank": [r["cuda_allocator_peak_bytes"] for r in results],
         "comm_calls_per_step_by_rank": [r["comm_calls"] for r in results],
@@ -53,6 +57,7 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         "comm_bytes_per_step_by_rank": [r["comm_sent_bytes"] for r in results],
         # measured: loopback bytes in one step, all ranks together (None if not measurable)
         "loopback_bytes_per_step": results[0]["loopback_bytes"],
+        "strategy_report": report,
         "provenance": provenance(rt.backend, rt.world_size, rt.device.type, torch.get_num_threads()),
     }
 

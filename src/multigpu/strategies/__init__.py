@@ -23,6 +23,7 @@ class Parallelized:
     no_sync: Callable = nullcontext  # context: accumulate gradients locally, no communication
     finish_backward: Callable[[], None] = lambda: None  # wait for gradient communication
     tracked: list = field(default_factory=list)  # tensors made in prepare (e.g. buckets)
+    report: Callable[[], dict] | None = None  # the strategy's own measurements, for the record
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on CPU (sharding strategies override by gathering)."""
@@ -38,7 +39,7 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
 
 
 def prepare(model: nn.Module, cfg, rt) -> Parallelized:
-    from multigpu.strategies import ddp, ddp_scratch, single
+    from multigpu.strategies import ddp, ddp_scratch, dp, single
 
-    by_name = {"single": single, "ddp": ddp, "ddp-scratch": ddp_scratch}
+    by_name = {"single": single, "ddp": ddp, "ddp-scratch": ddp_scratch, "dp": dp}
     return by_name[cfg.strategy].prepare(model, cfg, rt)

@@ -1,0 +1,203 @@
+"""DataParallel: one process drives N replicas, one thread each.
+
+Every step, `nn.DataParallel` (Li et al., "PyTorch Distributed", VLDB 2020, section 2)
+1. scatters the input batch into N chunks, one per device;
+2. replicates the model: copies every parameter from the primary device to the others;
+3. runs the N forwards in parallel, one Python thread per device;
+4. gathers the N outputs onto the primary device,
+5. where the loss is computed;
+6. scatters the loss gradient back and runs the N backwards in parallel,
+7. reduces (sums) the replicas' gradients onto the primary device's parameters,
+8. and the optimizer updates them there, on the primary alone.
+
+On GPUs we use `nn.DataParallel` itself. On a CPU it only passes the call through (its
+helpers refuse CPU tensors), so `ScratchDataParallel` does the eight steps by hand, with
+threads and copies, and counts what every replica holds and how long every step takes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multigpu.memory import CATEGORIES, optimizer_state_bytes, tensor_bytes
+from multigpu.strategies import Parallelized, build_optimizer
+
+
+def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The models' own loss (mean cross-entropy over every label token), from outside."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def logits_of(model: nn.Module, **inputs) -> torch.Tensor:
+    out = model(**inputs)
+    return out if isinstance(out, torch.Tensor) else out.logits  # GPT returns logits, T5 an object
+
+
+class _Logits(nn.Module):
+    """The model without its loss, so that DataParallel gathers outputs, not N losses."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        return logits_of(self.model, **inputs)
+
+
+class GPUDataParallel(nn.Module):
+    """The real thing, as the sources use it: wrap, move, forward, loss on the primary GPU."""
+
+    implementation = "torch.nn.DataParallel"
+
+    def __init__(self, model: nn.Module, replicas: int):
+        super().__init__()
+        self.dp = nn.DataParallel(_Logits(model), device_ids=list(range(replicas)))
+        self.replicas = replicas
+
+    def forward(self, labels, **inputs):
+        return loss_from_logits(self.dp(**inputs), labels)
+
+    def report(self, optimizer) -> dict:
+        """On GPUs the allocator measures each device's peak; categories are not split."""
+        peaks = [torch.cuda.max_memory_allocated(i) for i in range(self.replicas)]
+        return {"implementation": self.implementation,
+                "peak_memory_bytes_by_replica": [dict.fromkeys(CATEGORIES) | {"total": p} for p in peaks]}
+
+
+class ScratchDataParallel(nn.Module):
+    """DataParallel's eight steps on one device, each replica in its own thread."""
+
+    implementation = "from scratch: one thread per replica on the CPU"
+
+    def __init__(self, model: nn.Module, replicas: int):
+        super().__init__()
+        self.model, self.n = model, replicas
+        self.phase_s: dict[str, list[float]] = defaultdict(list)  # phase -> seconds, every call
+        self.threads: dict[str, list[dict]] = {}  # phase -> per replica: start, end, cpu (last call)
+        self.held = [dict.fromkeys(CATEGORIES, 0) for _ in range(replicas)]  # bytes, largest seen
+
+    # -- the steps --------------------------------------------------------------------
+    def forward(self, labels, **inputs):
+        t = time.perf_counter()
+        # 1. scatter: chunk i of every input goes to replica i
+        chunks = [dict(zip(inputs, parts)) for parts in zip(*(v.chunk(self.n) for v in inputs.values()))]
+        t = self._lap("scatter", t)
+        # 2. replicate: replica 0 is the primary's model; the others are fresh copies, made
+        # every step because the weights changed in the last update (tied weights stay tied)
+        replicas = [self.model] + [copy.deepcopy(self.model) for _ in range(self.n - 1)]
+        t = self._lap("replicate", t)
+        # 3. parallel forward; each thread also counts what its forward saves for backward
+        saved = [0] * self.n
+
+        def forward_one(i):
+            def keep(x):
+                saved[i] += x.untyped_storage().nbytes()
+                return x
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+                return logits_of(replicas[i], **chunks[i])
+
+        outputs = self._in_threads("forward", forward_one)
+        t = self._lap("forward", t)
+        # 4. gather the outputs onto the primary, as a new tensor that starts a new graph
+        gathered = torch.cat([o.detach() for o in outputs]).requires_grad_()
+        t = self._lap("gather", t)
+        # 6.-7. run when backward has produced the gathered outputs' gradient (see below)
+        gathered.register_post_accumulate_grad_hook(lambda g: self._backward(g, outputs, replicas))
+        # 5. the loss, on the primary
+        loss = loss_from_logits(gathered, labels)
+        self._lap("loss", t)
+        self._hold(replicas, outputs, saved)
+        return loss
+
+    def _backward(self, gathered: torch.Tensor, outputs, replicas) -> None:
+        t = time.perf_counter()
+        # 6. scatter the gradient of the gathered outputs, then backward on every replica:
+        # replica 0's gradients land in the primary's .grad, the others' are returned
+        grad_chunks = gathered.grad.chunk(self.n)
+        gathered.grad = None
+
+        def backward_one(i):
+            if i == 0:
+                outputs[0].backward(grad_chunks[0])
+                return None
+            return torch.autograd.grad(outputs[i], list(replicas[i].parameters()), grad_chunks[i])
+
+        replica_grads = self._in_threads("backward", backward_one)
+        t = self._lap("backward", t)
+        # 7. reduce: add every replica's gradients into the primary's
+        for j, primary in enumerate(self.model.parameters()):
+            for grads in replica_grads[1:]:
+                primary.grad.add_(grads[j])
+        self._lap("reduce", t)
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def _in_threads(self, phase: str, work) -> list:
+        """work(i) for every replica i, each in its own thread; the caller's autocast state
+        goes with them (it is per thread), and a replica's exception is raised here."""
+        device = "cpu"
+        autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
+                        enabled=torch.is_autocast_enabled(device))
+        results, errors, timing = [None] * self.n, [], [None] * self.n
+
+        def run(i):
+            start, cpu = time.perf_counter(), time.thread_time()
+            try:
+                with torch.autocast(**autocast):
+                    results[i] = work(i)
+            except BaseException as err:  # noqa: BLE001 - handed to the caller below
+                errors.append(err)
+            timing[i] = {"start": start, "end": time.perf_counter(), "cpu": time.thread_time() - cpu}
+
+        threads = [threading.Thread(target=run, args=(i,), name=f"replica-{i}") for i in range(self.n)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        self.threads[phase] = timing
+        return results
+
+    def _lap(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phase_s[phase].append(now - since)
+        return now
+
+    def _hold(self, replicas, outputs, saved) -> None:
+        """Bytes each replica's tensors take during a step, counted tensor by tensor.
+        Primary: the weights, their gradients, the optimizer state (added in `report`), its
+        saved activations, and the gathered outputs with their gradient. Replica i > 0: its
+        copy of the weights, its gradients (until reduced), its saved activations, its
+        output chunk and that chunk's gradient."""
+        params = tensor_bytes(self.model.parameters())
+        out = [tensor_bytes([o]) for o in outputs]
+        for i in range(self.n):
+            other = 2 * out[i] + (2 * sum(out) if i == 0 else 0)
+            now = {"params": params, "grads": params, "optimizer": 0, "activations": saved[i], "other": other}
+            self.held[i] = {c: max(self.held[i][c], now[c]) for c in CATEGORIES}
+
+    def report(self, optimizer) -> dict:
+        held = [dict(h) for h in self.held]
+        held[0]["optimizer"] = optimizer_state_bytes(optimizer)  # the update happens on the primary only
+        for h in held:
+            h["total"] = sum(h[c] for c in CATEGORIES)
+        return {
+            "implementation": self.implementation,
+            "peak_memory_bytes_by_replica": held,
+            "phase_s": {k: v for k, v in self.phase_s.items()},
+            "threads_last_step": self.threads,
+        }
+
+
+def prepare(model, cfg, rt) -> Parallelized:
+    cls = GPUDataParallel if rt.device.type == "cuda" else ScratchDataParallel
+    module = cls(model, cfg.world_size)
+    optimizer = build_optimizer(model.parameters(), cfg)
+    return Parallelized(module=module, optimizer=optimizer, model=model, report=lambda: module.report(optimizer))
