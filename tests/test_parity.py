@@ -34,7 +34,7 @@ def assert_parity(result: dict, strategy: str, world_size: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("strategy", ["ddp", "ddp-scratch"])
+@pytest.mark.parametrize("strategy", ["ddp", "ddp-scratch", "dp"])
 def test_matches_single_device(strategy, world_size):
     """N processes x (global batch / N) == 1 process x global batch, in fp32."""
     result = check(strategy, world_size, steps=STEPS, tolerance=TOLERANCE, dtype="fp32", progress=False)
@@ -50,8 +50,10 @@ def test_matches_single_device(strategy, world_size):
         # 0.01 MiB buckets: every large tensor gets its own bucket, so the all-reduces
         # must be launched in order and each gradient copied back from the right offset
         ("ddp-scratch", dict(grad_accum_steps=2, bucket_cap_mb=0.01)),
+        # dp's backward runs when the gathered outputs get their gradient: once per micro-batch
+        ("dp", dict(grad_accum_steps=2)),
     ],
-    ids=["ddp-accum2", "ddp-scratch-accum2-small-buckets"],
+    ids=["ddp-accum2", "ddp-scratch-accum2-small-buckets", "dp-accum2"],
 )
 def test_matches_single_device_with_grad_accumulation(strategy, overrides):
     """2 micro-batches per rank with no_sync() on the first == one big batch on one process."""
@@ -67,8 +69,9 @@ def test_matches_single_device_with_grad_accumulation(strategy, overrides):
         ("ddp", dict(model="t5-tiny")),  # the sources' model family: Hugging Face T5
         ("ddp-scratch", dict(model="t5-tiny", activation_checkpointing=True)),
         ("ddp-scratch", dict(activation_checkpointing=True, optimizer="adamw", lr=1e-3)),
+        ("dp", dict(model="t5-tiny", dataset="dummy")),  # T5's loss computed outside the model
     ],
-    ids=["ddp-t5", "ddp-scratch-t5-checkpointing", "ddp-scratch-gpt-checkpointing-adamw"],
+    ids=["ddp-t5", "ddp-scratch-t5-checkpointing", "ddp-scratch-gpt-checkpointing-adamw", "dp-t5"],
 )
 def test_matches_single_device_other_models_and_options(strategy, overrides):
     """T5 (encoder-decoder), activation checkpointing and AdamW change nothing about parity."""
@@ -109,7 +112,7 @@ def test_weight_comparison_detects_real_differences(tmp_path):
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs 2 CUDA GPUs (NCCL); the CPU path above is what CI runs")
-@pytest.mark.parametrize("strategy", ["ddp", "ddp-scratch"])
+@pytest.mark.parametrize("strategy", ["ddp", "ddp-scratch", "dp"])
 def test_matches_single_device_on_gpus(strategy):
     """The same parity over NCCL on CUDA GPUs (the reference runs on one GPU)."""
     result = check(strategy, 2, steps=STEPS, tolerance=TOLERANCE, device="cuda", progress=False)

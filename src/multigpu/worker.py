@@ -62,6 +62,12 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
     }
 
 
+def write_error(out: Path, rank: int, err: BaseException) -> None:
+    """For the launcher: first line what went wrong, in one line; then the full traceback."""
+    summary = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    (out / f"error-rank{rank}.txt").write_text(summary + "\n" + traceback.format_exc())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, type=Path)
@@ -89,9 +95,7 @@ def main(argv=None) -> int:
         dist.barrier()
         return 0
     except BaseException as err:
-        # first line: what went wrong, in one line; then the full traceback
-        summary = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-        (args.out / f"error-rank{rank}.txt").write_text(summary + "\n" + traceback.format_exc())
+        write_error(args.out, rank, err)
         raise
     finally:
         runtime.teardown()

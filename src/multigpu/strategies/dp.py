@@ -94,11 +94,16 @@ class ScratchDataParallel(nn.Module):
         replicas = [self.model] + [copy.deepcopy(self.model) for _ in range(self.n - 1)]
         t = self._lap("replicate", t)
         # 3. parallel forward; each thread also counts what its forward saves for backward
+        # (each storage once, the replica's own weights not: they are parameters)
         saved = [0] * self.n
 
         def forward_one(i):
+            seen = {p.untyped_storage().data_ptr() for p in replicas[i].parameters()}
+
             def keep(x):
-                saved[i] += x.untyped_storage().nbytes()
+                if x.untyped_storage().data_ptr() not in seen:
+                    seen.add(x.untyped_storage().data_ptr())
+                    saved[i] += x.untyped_storage().nbytes()
                 return x
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
                 return logits_of(replicas[i], **chunks[i])

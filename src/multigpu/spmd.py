@@ -1,0 +1,81 @@
+"""Run one function on N processes and bring back what each returned.
+
+    results = run_spmd("multigpu.collectives:demo", world_size=4)   # a list, one per rank
+
+"SPMD": single program, multiple data. Every process runs the same function, told its
+rank by `torch.distributed`. The function must be importable ("module:name"; a notebook's
+own functions cannot be sent to other processes); its keyword arguments and return value
+must pickle. The launcher is the one training runs use (multigpu.launch): same timeout,
+same cleanup, the failing rank's traceback in the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch.distributed as dist
+
+from multigpu import runtime
+from multigpu.config import ConfigError, max_cpu_workers
+
+
+def run_spmd(target: str, world_size: int, *, timeout_s: float = 600, threads: int | None = None,
+             progress: bool | None = False, verbose: bool = False, **kwargs) -> list:
+    """Call `target(**kwargs)` on `world_size` CPU processes (gloo); return their results."""
+    from multigpu.launch import LaunchError, _failure_message, run_torchrun
+
+    if not isinstance(world_size, int) or not 1 <= world_size <= max_cpu_workers():
+        raise ConfigError(f"world_size must be a whole number from 1 to {max_cpu_workers()}, got {world_size!r}")
+    module, _, name = target.partition(":")
+    if not name or not callable(getattr(importlib.import_module(module), name, None)):
+        raise ConfigError(f"target must name an importable function as 'module:function', got {target!r}")
+    out_dir = Path(tempfile.mkdtemp(prefix="multigpu-spmd-"))
+    try:
+        (out_dir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
+        rc, tail = run_torchrun(
+            ["-m", "multigpu.spmd", target, "--out", str(out_dir)], processes=world_size,
+            rendezvous=["--standalone"], threads=threads or max(1, (os.cpu_count() or 1) // world_size),
+            timeout_s=timeout_s, progress=progress, bar=(0, f"{name} x{world_size}"), verbose=verbose)
+        paths = [out_dir / f"result-rank{r}.pkl" for r in range(world_size)]
+        if rc != 0 or not all(p.exists() for p in paths):
+            raise LaunchError(_failure_message(out_dir, rc, tail))
+        return [pickle.loads(p.read_bytes()) for p in paths]
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    from multigpu.worker import write_error
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("target")
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        module, _, name = args.target.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+        kwargs = pickle.loads((args.out / "kwargs.pkl").read_bytes())
+        runtime.init("cpu")
+        result = fn(**kwargs)
+        tmp = args.out / f"result-rank{rank}.pkl.tmp"
+        tmp.write_bytes(pickle.dumps(result))
+        os.replace(tmp, args.out / f"result-rank{rank}.pkl")
+        dist.barrier()
+        return 0
+    except BaseException as err:
+        write_error(args.out, rank, err)
+        raise
+    finally:
+        runtime.teardown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
