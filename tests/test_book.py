@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from multigpu import records
-from multigpu.experiments import EXPERIMENTS
+from multigpu.experiments import EXPERIMENTS, Job
 from multigpu.memory import CATEGORIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +53,12 @@ REQUIRED = {"config", "step_time_s", "tokens_per_s", "loss", "peak_memory_bytes_
 def test_committed_records_have_the_schema(experiment):
     tags = records.machines_with(experiment)
     assert tags, f"no committed records of {experiment}: run `make figures` and commit results/"
+    if any(isinstance(item, Job) for item in EXPERIMENTS[experiment]()):  # measurements, not runs
+        for tag in tags:
+            runs = records.load(experiment, tag)
+            assert runs and all({"provenance", "experiment"} <= r.keys() for r in runs)
+            assert all(r["provenance"]["machine_tag"] == tag for r in runs)
+        return
     for tag in tags:
         runs = records.load(experiment, tag)
         assert len(runs) == len(EXPERIMENTS[experiment]()) or not tag.startswith("cpu-"), (

@@ -1,7 +1,9 @@
 """The experiments behind the book's figures: what `make figures` runs.
 
-Each experiment is a list of RunConfigs, sized for the machine at hand: small presets on a
-CPU (gloo, a few processes), GPT-2 sizes on CUDA GPUs (NCCL). Records go to
+Most experiments are lists of training runs (RunConfigs), sized for the machine at hand:
+small presets on a CPU (gloo, a few processes), GPT-2 sizes on CUDA GPUs (NCCL). Others
+are lists of `Job`s, measurements that are not training runs (collective benchmarks, a
+replay of stale gradients); each job returns its own records. Records go to
 results/<machine-tag>/<experiment>.jsonl. The file is rewritten after every run, always
 whole (write aside, then rename), so an interrupted sweep keeps the runs that finished and
 never leaves a half-written line; other machines' folders are never touched.
@@ -9,14 +11,27 @@ never leaves a half-written line; other machines' folders are never touched.
 
 from __future__ import annotations
 
+import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from multigpu import records
 from multigpu.config import RunConfig
 from multigpu.launch import launch
+
+
+@dataclass
+class Job:
+    """A measurement that is not a training run: `run(**kwargs)` returns records."""
+
+    name: str
+    run: Callable[..., list[dict]]
+    kwargs: dict = field(default_factory=dict)
 
 
 def on_gpus(count: int = 1) -> bool:
@@ -98,6 +113,75 @@ def _ddp_learning() -> list[RunConfig]:
     return [base, base.replace(strategy="ddp", world_size=2), base.replace(strategy="ddp-scratch", world_size=2)]
 
 
+def _dp_vs_ddp() -> list[RunConfig]:
+    """DataParallel against DDP: same model, same per-replica batch; dp at two batches per
+    replica count, so the chapter can fit what each sample costs each replica."""
+    model, per_replica, seq = ("gpt2", 4, 256) if on_gpus(2) else ("gpt-small", 4, 128)
+    device = ddp_device()
+    base = RunConfig(model=model, seq_len=seq, steps=8, dataset="dummy", optimizer="sgd-momentum", device=device)
+    runs = [base.replace(global_batch_size=per_replica)]
+    for n in (2, 4) if not on_gpus(2) else (2, max_world_size()):
+        runs += [base.replace(strategy="ddp", world_size=n, global_batch_size=per_replica * n),
+                 base.replace(strategy="dp", world_size=n, global_batch_size=per_replica * n),
+                 base.replace(strategy="dp", world_size=n, global_batch_size=2 * per_replica * n)]
+    return runs
+
+
+MiB = 2**20
+# message sizes from 4 KiB to 256 MiB; the small ones share one launch
+_SMALL = [4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024]
+_LARGE = [MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+
+
+def _collective_records(world_size: int, sizes: list[int]) -> list[dict]:
+    from multigpu.collectives import ALL_REDUCES, HALVES
+    from multigpu.spmd import run_spmd
+
+    per_rank = run_spmd("multigpu.collectives:benchmark", world_size, sizes=sizes,
+                        algorithms=[*ALL_REDUCES, *HALVES], timeout_s=900)
+    threads = max(1, (os.cpu_count() or 1) // world_size)  # what run_spmd gives each process
+    prov = records.provenance("gloo", world_size, "cpu", threads)
+    out = []
+    for rows in zip(*per_rank):  # the same (size, algorithm) on every rank
+        first = rows[0]
+        # a call ends when its slowest rank is done
+        time_s = statistics.median(max(t) for t in zip(*(r["times_s"] for r in rows)))
+        algbw = first["size_bytes"] / time_s
+        out.append({
+            "world_size": world_size, "size_bytes": first["size_bytes"], "algorithm": first["algorithm"],
+            "time_s": time_s, "calls_timed": len(first["times_s"]),
+            "algbw_bytes_per_s": algbw,
+            # NCCL-tests' bus bandwidth: what each link carries, comparable across N
+            # (all-reduce moves 2(N-1)/N of the data per rank, each half (N-1)/N)
+            "busbw_bytes_per_s": algbw * (1 if first["algorithm"] in HALVES else 2) * (world_size - 1) / world_size,
+            "sent_bytes_by_rank": [r["sent_bytes"] for r in rows],
+            "loopback_bytes_per_call": first["loopback_bytes_per_call"],
+            "provenance": prov,
+        })
+    return out
+
+
+def _collectives_bandwidth() -> list[Job]:
+    """Every all-reduce (and the two halves) by message size, on 2 and 4 gloo processes."""
+    return [Job(f"all-reduce x{n}, {sizes[0] // 1024} KiB-{sizes[-1] // 1024} KiB" if len(sizes) > 1
+                else f"all-reduce x{n}, {sizes[0] // MiB} MiB", _collective_records, dict(world_size=n, sizes=sizes))
+            for n in (2, 4) for sizes in [_SMALL, *([s] for s in _LARGE)]]
+
+
+def _staleness_records(delay: int) -> list[dict]:
+    from multigpu.asynchronous import train_with_stale_gradients
+
+    record = train_with_stale_gradients(delay, steps=300, lr=0.1)
+    record["provenance"] = records.provenance("none", 1, "cpu", torch.get_num_threads())
+    return [record]
+
+
+def _async_staleness() -> list[Job]:
+    """Synchronous SGD (delay 0) against gradients 1-8 updates stale, as an asynchronous
+    parameter server applies them; one process, the learnable task."""
+    return [Job(f"delay {d}", _staleness_records, dict(delay=d)) for d in (0, 1, 2, 4, 8)]
+
+
 EXPERIMENTS = {
     "one_device_memory": _one_device_memory,
     "one_device_techniques": _one_device_techniques,
@@ -105,6 +189,9 @@ EXPERIMENTS = {
     "ddp_vs_scratch": _ddp_vs_scratch,
     "ddp_buckets": _ddp_buckets,
     "ddp_learning": _ddp_learning,
+    "dp_vs_ddp": _dp_vs_ddp,
+    "collectives_bandwidth": _collectives_bandwidth,
+    "async_staleness": _async_staleness,
 }
 
 
@@ -112,20 +199,26 @@ def run_experiment(name: str, *, progress: bool | None = None) -> list[dict]:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from: {', '.join(EXPERIMENTS)}")
     done: list[dict] = []
-    configs = EXPERIMENTS[name]()
-    for i, cfg in enumerate(configs, start=1):
+    items = EXPERIMENTS[name]()
+    for i, item in enumerate(items, start=1):
         start = time.monotonic()
-        record = launch(cfg, progress=progress)
-        record["experiment"] = name
-        done.append(record)
+        if isinstance(item, Job):
+            new = item.run(**item.kwargs)
+            what = item.name
+        else:
+            new = [launch(item, progress=progress)]
+            what = (f"{item.strategy} x{item.world_size} {item.model}: "
+                    f"{new[0]['step_time_s'] * 1e3:.1f} ms/step")
+        for record in new:
+            record["experiment"] = name
+        done += new
         tags = {r["provenance"]["machine_tag"] for r in done}
         if len(tags) > 1:
             raise RuntimeError(f"experiment {name} mixed devices ({', '.join(sorted(tags))}); "
                                "give its configs one device")
         # after every run: an interrupt keeps what finished
         records.write_records(records.results_path(name, tags.pop()), done)
-        print(f"  [{name} {i}/{len(configs)}] {cfg.strategy} x{cfg.world_size} {cfg.model}: "
-              f"{record['step_time_s'] * 1e3:.1f} ms/step ({time.monotonic() - start:.0f} s)", flush=True)
+        print(f"  [{name} {i}/{len(items)}] {what} ({time.monotonic() - start:.0f} s)", flush=True)
     return done
 
 

@@ -141,3 +141,171 @@ def loss_curves(records, labels, title="Training loss"):
     ax.set_title(title)
     ax.legend()
     return fig
+
+
+# -- collectives ---------------------------------------------------------------------------
+
+def collective_grid(rows_by_rank, title="Each collective on 4 processes: what every rank holds"):
+    """`rows_by_rank`: what `multigpu.collectives.demo` returned on each rank (live, not
+    recorded). One row per collective; every rank's tensor before and after, each value
+    coloured by the rank it came from (grey: a sum over all ranks)."""
+    style()
+    n = len(rows_by_rank)
+    names = [row["collective"] for row in rows_by_rank[0]]
+    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+
+    def origin(value):  # rank r starts with 10(r+1) + c; anything larger is a sum
+        return value // 10 - 1 if 10 <= value < 10 * (n + 1) and value % 10 < n else None
+
+    fig, axes = plt.subplots(len(names), 2, figsize=(7.2, 0.42 * n * len(names) + 0.6), constrained_layout=True)
+    for i, name in enumerate(names):
+        for j, when in enumerate(("before", "after")):
+            ax = axes[i][j]
+            ax.set_xlim(0, n)
+            ax.set_ylim(n, 0)
+            ax.axis("off")
+            for rank in range(n):
+                values = rows_by_rank[rank][i][when]
+                ax.text(-0.1, rank + 0.5, f"rank {rank}", ha="right", va="center", fontsize=7.5)
+                for c, v in enumerate(values or []):
+                    src = origin(v)
+                    ax.add_patch(plt.Rectangle((c + 0.05, rank + 0.1), 0.9, 0.8,
+                                               color=palette[src % len(palette)] if src is not None else "#BBBBBB",
+                                               alpha=0.85))
+                    ax.text(c + 0.5, rank + 0.5, str(v), ha="center", va="center", fontsize=7.5,
+                            color="white" if src is not None else "#222222")
+                if values is None:
+                    ax.text(0.05, rank + 0.5, "(undefined)", va="center", fontsize=7.5, color="#777777")
+            ax.set_title(f"{name}: {when}" if j == 0 else when, fontsize=9, loc="left")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def collective_bandwidth(records, title="All-reduce bus bandwidth by message size"):
+    """Bus bandwidth (algorithm bandwidth x 2(N-1)/N) against message size, one panel per N."""
+    sizes_n = sorted({r["world_size"] for r in records})
+    fig, axes = _figure(records, ncols=len(sizes_n), width=4.2 * len(sizes_n), height=3.6)
+    for ax, n in zip(axes, sizes_n):
+        for name in ("naive", "parameter server", "ring", "library"):
+            rows = sorted((r for r in records if r["world_size"] == n and r["algorithm"] == name),
+                          key=lambda r: r["size_bytes"])
+            ax.plot([r["size_bytes"] / MiB for r in rows], [r["busbw_bytes_per_s"] / 1e9 for r in rows],
+                    "o-", ms=3, label=name)
+        ax.set_xscale("log", base=2)
+        ticks = [2**k for k in range(-8, 9, 2)]
+        ax.set_xticks(ticks, [f"{int(t * 1024)} KiB" if t < 1 else f"{int(t)} MiB" for t in ticks],
+                      rotation=45, fontsize=7)
+        ax.set_xlabel("message size")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(f"N = {n} processes", fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def bytes_per_rank(records, title="Bytes each rank sends for one all-reduce"):
+    """Counted bytes per rank (as a multiple of the data) for each algorithm, at one size."""
+    sizes_n = sorted({r["world_size"] for r in records})
+    fig, axes = _figure(records, ncols=len(sizes_n), width=4.2 * len(sizes_n), height=3.4)
+    names = ["naive", "parameter server", "ring"]
+    for ax, n in zip(axes, sizes_n):
+        width = 0.8 / n
+        for k, name in enumerate(names):
+            (r,) = [r for r in records if r["world_size"] == n and r["algorithm"] == name]
+            for rank, sent in enumerate(r["sent_bytes_by_rank"]):
+                ax.bar(k + (rank - (n - 1) / 2) * width, sent / r["size_bytes"], width * 0.9,
+                       color=["#C44E52", "#4C72B0"][rank > 0] if name == "parameter server" else "#4C72B0")
+        ax.axhline(2 * (n - 1) / n, color="#DD8452", ls="--", lw=1, label="ring rule 2(N-1)/N")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel("bytes sent / data size")
+        ax.set_title(f"N = {n} (one bar per rank; red: the server)", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def staleness(records, title="Stale gradients: SGD with updates applied late"):
+    fig, (ax,) = _figure(records)
+    for r in sorted(records, key=lambda r: r["delay"]):
+        label = "synchronous (delay 0)" if r["delay"] == 0 else f"{r['delay']} updates stale"
+        ax.plot(range(1, len(r["loss"]) + 1), r["loss"], label=label, lw=1.2)
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss of the current weights")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return fig
+
+
+# -- DataParallel --------------------------------------------------------------------------
+
+DP_PHASES = ("scatter", "replicate", "forward", "gather", "loss", "backward", "reduce")
+
+
+def dp_phases(phase_ms: dict, ddp_ms: dict, records, title="Where a step's time goes: DP against DDP"):
+    """phase_ms[N]: dp's median milliseconds per phase (plus 'update and the rest');
+    ddp_ms[N]: DDP's step time at the same N and batch."""
+    fig, (ax,) = _figure(records)
+    colors = dict(zip((*DP_PHASES, "update and the rest"),
+                      ["#8C8C8C", "#C44E52", "#4C72B0", "#DA8BC3", "#937860", "#55A868", "#DD8452", "#CCCCCC"]))
+    labels, pos = [], 0
+    for n in sorted(phase_ms):
+        bottom = 0.0
+        for phase, ms in phase_ms[n].items():
+            ax.bar(pos, ms, bottom=bottom, color=colors[phase], label=phase if pos == 0 else None)
+            bottom += ms
+        ax.bar(pos + 1, ddp_ms[n], color="#333333", label="DDP step" if pos == 0 else None)
+        labels += [f"DP\nN={n}", f"DDP\nN={n}"]
+        pos += 2.5
+    ax.set_xticks([p + d for p in [i * 2.5 for i in range(len(phase_ms))] for d in (0, 1)], labels)
+    ax.set_ylabel("ms per step")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    return fig
+
+
+def dp_memory(record, title="What each DP replica holds during a step"):
+    fig, (ax,) = _figure([record])
+    per = record["peak_memory_bytes_by_rank"]
+    bottoms = [0.0] * len(per)
+    labels = ["primary (0)"] + [f"replica {i}" for i in range(1, len(per))]
+    for cat in CATEGORIES:
+        values = [m[cat] / MiB for m in per]
+        ax.bar(labels, values, bottom=bottoms, label=cat, color=COLORS[cat])
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.set_ylabel("MiB")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def dp_threads(record, title="The replica threads in one step (DP from scratch)"):
+    """Each replica thread's forward and backward, wall time (bar) and CPU time (dark part)."""
+    fig, (ax,) = _figure([record])
+    threads = record["strategy_report"]["threads_last_step"]
+    t0 = min(t["start"] for phase in threads.values() for t in phase)
+    for phase, color in (("forward", "#4C72B0"), ("backward", "#55A868")):
+        for i, t in enumerate(threads[phase]):
+            start, wall = (t["start"] - t0) * 1e3, (t["end"] - t["start"]) * 1e3
+            ax.barh(i, wall, left=start, color=color, alpha=0.35, label=f"{phase}: wall" if i == 0 else None)
+            ax.barh(i, t["cpu"] * 1e3, left=start, color=color, height=0.35,
+                    label=f"{phase}: CPU time of the thread" if i == 0 else None)
+    ax.set_yticks(range(len(threads["forward"])), [f"replica {i}" for i in range(len(threads["forward"]))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the forward began")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    return fig
+
+
+def max_batch(curves: dict, records, cap_label: str, title="Largest global batch under a memory cap"):
+    """curves: label -> (world sizes, largest global batch)."""
+    fig, (ax,) = _figure(records)
+    for label, (ns, batches) in curves.items():
+        ax.plot(ns, batches, "o-", label=label)
+    ax.set_xlabel("devices (N)")
+    ax.set_ylabel("largest global batch")
+    ax.set_xticks(sorted({n for ns, _ in curves.values() for n in ns}))
+    ax.set_title(f"{title} ({cap_label})")
+    ax.legend(fontsize=8)
+    return fig

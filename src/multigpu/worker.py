@@ -58,7 +58,9 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         # measured: loopback bytes in one step, all ranks together (None if not measurable)
         "loopback_bytes_per_step": results[0]["loopback_bytes"],
         "strategy_report": report,
-        "provenance": provenance(rt.backend, rt.world_size, rt.device.type, torch.get_num_threads()),
+        # dp: one process whose replicas are threads, so no backend carries its traffic
+        "provenance": provenance("threads" if cfg.strategy == "dp" else rt.backend, cfg.world_size,
+                                 rt.device.type, torch.get_num_threads()),
     }
 
 

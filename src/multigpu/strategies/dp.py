@@ -1,18 +1,10 @@
 """DataParallel: one process drives N replicas, one thread each.
 
-Every step, `nn.DataParallel` (Li et al., "PyTorch Distributed", VLDB 2020, section 2)
-1. scatters the input batch into N chunks, one per device;
-2. replicates the model: copies every parameter from the primary device to the others;
-3. runs the N forwards in parallel, one Python thread per device;
-4. gathers the N outputs onto the primary device,
-5. where the loss is computed;
-6. scatters the loss gradient back and runs the N backwards in parallel,
-7. reduces (sums) the replicas' gradients onto the primary device's parameters,
-8. and the optimizer updates them there, on the primary alone.
-
-On GPUs we use `nn.DataParallel` itself. On a CPU it only passes the call through (its
-helpers refuse CPU tensors), so `ScratchDataParallel` does the eight steps by hand, with
-threads and copies, and counts what every replica holds and how long every step takes.
+Every step, `nn.DataParallel` (Li et al., "PyTorch Distributed", VLDB 2020, section 2) does
+the eight steps of DP_STEPS below. On GPUs we use `nn.DataParallel` itself. On a CPU it only
+passes the call through (its helpers refuse CPU tensors), so `ScratchDataParallel` does the
+eight steps by hand, with threads and copies, and counts what every replica holds and how
+long every step takes.
 """
 
 from __future__ import annotations
@@ -28,6 +20,17 @@ from torch import nn
 
 from multigpu.memory import CATEGORIES, optimizer_state_bytes, tensor_bytes
 from multigpu.strategies import Parallelized, build_optimizer
+
+DP_STEPS = [
+    ("1. scatter", "split the input batch into N chunks, one per device"),
+    ("2. replicate", "copy every parameter from the primary device to the others"),
+    ("3. forward", "run the N forwards in parallel, one Python thread per device"),
+    ("4. gather", "collect the N outputs on the primary device"),
+    ("5. loss", "compute the loss there, on the whole batch's outputs"),
+    ("6. backward", "send each device its slice of the outputs' gradient; N backwards in parallel"),
+    ("7. reduce", "add the replicas' gradients into the primary's parameters"),
+    ("8. update", "the optimizer steps on the primary alone"),
+]
 
 
 def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
