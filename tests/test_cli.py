@@ -50,6 +50,17 @@ def test_run_json():
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+def test_run_dp_says_which_data_parallel_it_used():
+    """dp is one process whatever the replica count; on CPU it says it is the from-scratch one."""
+    out = run_cli("run", "--strategy", "dp", "--world-size", "2", "--steps", "3")
+    assert out.returncode == 0, out.stderr
+    assert "DataParallel from scratch, 2 threads on the CPU" in out.stderr
+    assert "dp on 2 replica(s) in one process" in out.stdout
+    assert "implementation  from scratch" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_check_json():
     out = run_cli("check", "--strategy", "ddp-scratch", "--world-size", "2", "--json")
     assert out.returncode == 0, out.stderr

@@ -131,6 +131,10 @@ def test_derived_sizes():
     assert cfg.micro_batch_size == 32 // (4 * 2)
     assert cfg.num_samples == 32 * 5  # enough samples for every step, no epoch repeats
     assert cfg.replace(dataset_size=100).num_samples == 100
+    assert cfg.processes == 4
+    # dp: N replicas are threads of one process; the batch still splits N ways
+    dp = cfg.replace(strategy="dp")
+    assert (dp.processes, dp.per_rank_batch_size) == (1, 8)
 
 
 def test_sequence_longer_than_the_model_takes():

@@ -67,14 +67,18 @@ def cmd_run(args) -> int:
         print(json.dumps(record))
         return 0
     mem = record["peak_memory_bytes_by_rank"][0]
-    print(f"{cfg.strategy} on {cfg.world_size} process(es), {record['provenance']['backend']}, "
+    workers = (f"{cfg.world_size} replica(s) in one process" if cfg.processes != cfg.world_size
+               else f"{cfg.world_size} process(es)")
+    print(f"{cfg.strategy} on {workers}, {record['provenance']['backend']}, "
           f"model {cfg.model} ({record['parameters']:,} parameters)")
-    print(f"  batch       {cfg.global_batch_size} samples per step = {cfg.world_size} process(es) x "
+    if record.get("strategy_report", {}).get("implementation"):
+        print(f"  implementation  {record['strategy_report']['implementation']}")
+    print(f"  batch       {cfg.global_batch_size} samples per step = {cfg.world_size} x "
           f"{cfg.per_rank_batch_size} (micro-batches of {cfg.micro_batch_size})")
     print(f"  loss        {record['loss'][0]:.4f} -> {record['loss'][-1]:.4f} over {cfg.steps} steps")
     print(f"  step time   {record['step_time_s'] * 1e3:.1f} ms (median of {record['timed_steps']} steps)")
     print(f"  throughput  {record['tokens_per_s']:,.0f} tokens/s, {record['samples_per_s']:,.1f} samples/s")
-    print("  peak memory, rank 0: " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items()))
+    print(f"  peak memory, {'primary replica' if cfg.strategy == 'dp' else 'rank 0'}: " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items()))
     comm = record["comm_payload_bytes_per_step_by_rank"][0]
     if comm:
         print("  collectives per step, rank 0: " + ", ".join(f"{k} {_mib(v)}" for k, v in comm.items()))
