@@ -140,3 +140,30 @@ def test_check_passes_every_option(monkeypatch):
         if field in ("track_memory", "fault", "extra"):  # not command-line options
             continue
         assert seen.get(field) == value, field
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_interrupted_figures_keep_the_finished_runs(tmp_path):
+    """Ctrl-C during `figures`: exit 130, a message saying where the finished runs are,
+    and those runs in the results file as whole records."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])),
+               MULTIGPU_PROGRESS="0", MULTIGPU_RESULTS=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "multigpu", "figures", "--experiments", "async_staleness"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    from multigpu.records import machine_tag
+
+    results = tmp_path / machine_tag("cpu") / "async_staleness.jsonl"
+    deadline = time.monotonic() + 120
+    while not results.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "the runs that finished are kept in" in out
+    kept = [json.loads(line) for line in results.read_text().splitlines()]
+    assert 1 <= len(kept) < 5 and all(r["experiment"] == "async_staleness" for r in kept)

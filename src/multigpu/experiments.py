@@ -227,9 +227,16 @@ def run_experiments(names: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
         raise ValueError(f"unknown experiment(s) {', '.join(unknown)}; choose from: {', '.join(EXPERIMENTS)}")
-    print(f"multigpu figures: {len(names)} experiment(s) on {records.machine_tag()}, "
-          f"torch {torch.__version__}, writing to {records.RESULTS_DIR / records.machine_tag()}", flush=True)
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if on_gpus() else []
+    print(f"multigpu figures: {len(names)} experiment(s) on {records.machine_tag()}: {records.cpu_name()}, "
+          f"{os.cpu_count()} cores, {len(gpus)} CUDA GPU(s){' (' + ', '.join(gpus) + ')' if gpus else ''}; "
+          f"torch {torch.__version__}; writing to {records.RESULTS_DIR}/<machine>/", flush=True)
     start = time.monotonic()
     for name in names:
-        run_experiment(name, progress=False)
+        try:
+            run_experiment(name, progress=False)
+        except KeyboardInterrupt:
+            print(f"multigpu figures: interrupted during {name}; the runs that finished are kept in "
+                  f"{records.RESULTS_DIR}/<machine>/{name}.jsonl", file=sys.stderr, flush=True)
+            raise
     print(f"multigpu figures: done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
