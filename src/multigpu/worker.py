@@ -50,7 +50,7 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         "loss": loss,
         "model_state_bytes_by_rank": [r["model_states"] for r in results],
         "peak_memory_bytes_by_rank": peak_by_rank,
-        "saved_activation_bytes_by_rank": [m["activations"] for m in peak_by_rank] if "dp" == cfg.strategy
+        "saved_activation_bytes_by_rank": [m["activations"] for m in peak_by_rank] if cfg.strategy == "dp"
         else [r["saved_activation_bytes"] for r in results],
         "cuda_allocator_peak_bytes_by_rank": [r["cuda_allocator_peak_bytes"] for r in results],
         "comm_calls_per_step_by_rank": [r["comm_calls"] for r in results],
