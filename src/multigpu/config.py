@@ -16,6 +16,9 @@ STRATEGIES = {
     "ddp": "PyTorch DistributedDataParallel",
     "ddp-scratch": "data parallel from scratch: bucketed all-reduce overlapped with backward",
     "dp": "DataParallel: one process, one thread per replica (nn.DataParallel on GPUs, from scratch on CPU)",
+    "zero1": "ZeRO stage 1 from scratch: optimizer state sharded",
+    "zero2": "ZeRO stage 2 from scratch: optimizer state and gradients sharded",
+    "zero3": "ZeRO stage 3 from scratch: optimizer state, gradients and parameters sharded",
 }
 # strategies that run every replica as a thread of one process, not one process each
 ONE_PROCESS = ("single", "dp")

@@ -88,7 +88,7 @@ def train(cfg: RunConfig, rt) -> dict:
         _synchronize(rt.device)
         start = time.perf_counter()
         with counter:
-            par.optimizer.zero_grad(set_to_none=True)
+            par.zero_grad()
             step_loss = 0.0
             for micro in range(cfg.grad_accum_steps):
                 batch = {k: v.to(rt.device, non_blocking=True) for k, v in next(data).items()}
@@ -98,10 +98,10 @@ def train(cfg: RunConfig, rt) -> dict:
                 with (nullcontext() if last else par.no_sync()):
                     with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=mixed):
                         loss = compute_loss(par.module, batch) / cfg.grad_accum_steps
-                    loss.backward()
+                    par.backward(loss)
                 step_loss += loss.item()
             par.finish_backward()
-            par.optimizer.step()
+            par.step()
         _synchronize(rt.device)
         step_times_s.append(time.perf_counter() - start)
         if step == last_tracked_step:

@@ -24,10 +24,21 @@ class Parallelized:
     finish_backward: Callable[[], None] = lambda: None  # wait for gradient communication
     tracked: list = field(default_factory=list)  # tensors made in prepare (e.g. buckets)
     report: Callable[[], dict] | None = None  # the strategy's own measurements, for the record
+    # the steps of the loop, for strategies that must do more than the plain calls
+    zero_grad: Callable[[], None] | None = None  # default: optimizer.zero_grad(set_to_none=True)
+    backward: Callable[[torch.Tensor], None] | None = None  # default: loss.backward()
+    step: Callable[[], None] | None = None  # default: optimizer.step()
+    gather_state_dict: Callable[[], dict] | None = None  # sharded strategies: gather whole weights
+
+    def __post_init__(self):
+        self.zero_grad = self.zero_grad or (lambda: self.optimizer.zero_grad(set_to_none=True))
+        self.backward = self.backward or (lambda loss: loss.backward())
+        self.step = self.step or self.optimizer.step
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, on CPU (sharding strategies override by gathering)."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        """Every parameter, whole, on CPU, on every rank."""
+        state = self.gather_state_dict() if self.gather_state_dict else self.model.state_dict()
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
 def build_optimizer(params, cfg) -> torch.optim.Optimizer:
@@ -39,7 +50,8 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
 
 
 def prepare(model: nn.Module, cfg, rt) -> Parallelized:
-    from multigpu.strategies import ddp, ddp_scratch, dp, single
+    from multigpu.strategies import ddp, ddp_scratch, dp, single, zero
 
-    by_name = {"single": single, "ddp": ddp, "ddp-scratch": ddp_scratch, "dp": dp}
+    by_name = {"single": single, "ddp": ddp, "ddp-scratch": ddp_scratch, "dp": dp,
+               "zero1": zero, "zero2": zero, "zero3": zero}
     return by_name[cfg.strategy].prepare(model, cfg, rt)

@@ -1,0 +1,204 @@
+"""ZeRO from scratch: stages 1, 2 and 3 (Rajbhandari et al., SC 2020,
+https://arxiv.org/abs/1910.02054).
+
+Data parallelism keeps N copies of everything. ZeRO cuts the redundant copies into N shards,
+one per rank, and communicates to make up for what a rank no longer holds:
+
+- stage 1 (P_os): rank r keeps the optimizer state of shard r only. After backward the
+  gradients are reduce-scattered (rank r receives the sum for shard r), rank r updates shard
+  r, and the updated shards are all-gathered so that every rank has the whole model again.
+- stage 2 (P_os+g): as stage 1, and each gradient is sent to the rank that owns it as soon
+  as backward produces it, then dropped: rank r keeps only shard r's gradients.
+- stage 3 (P_os+g+p): parameters are sharded too. A unit (one transformer block, or the
+  rest of the model) is all-gathered just before its forward and freed after it, gathered
+  again just before its backward, and its gradients are reduce-scattered and freed after.
+
+The bookkeeping is `FlatShards`: a group of parameters laid end to end in one flat buffer,
+padded to a multiple of N, so that rank r owns elements [r*S, (r+1)*S) and every shard has
+the same size S. The model's parameters become views into that buffer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from multigpu.models import transformer_block_types
+from multigpu.strategies import Parallelized, build_optimizer
+
+
+class FlatShards:
+    """`params` end to end in `self.full` (N equal shards); `self.shard` is rank r's piece."""
+
+    def __init__(self, params: list[nn.Parameter], rank: int, world_size: int, sharded_storage: bool):
+        self.params, self.world_size = params, world_size
+        self.numels = [p.numel() for p in params]
+        self.starts = [sum(self.numels[:i]) for i in range(len(params))]
+        total = sum(self.numels)
+        self.size = math.ceil(total / world_size)  # S: elements per shard
+        self.lo, self.hi = rank * self.size, (rank + 1) * self.size  # this rank's shard
+        p0 = params[0]
+        self.full = torch.zeros(self.size * world_size, dtype=p0.dtype, device=p0.device)
+        for p, start, n in zip(params, self.starts, self.numels):
+            self.full[start:start + n].copy_(p.detach().view(-1))
+            p.data = self.full[start:start + n].view_as(p)  # the model now reads the buffer
+        if sharded_storage:  # stage 3: the shard has storage of its own; the full buffer comes and goes
+            self.shard = nn.Parameter(self.full[self.lo:self.hi].clone())
+            self.free()
+        else:  # stages 1, 2: the shard is a window on the full buffer
+            self.shard = nn.Parameter(self.full[self.lo:self.hi])
+        self.shard_grad = torch.zeros_like(self.shard)  # the sum of this shard's gradients
+
+    def owners(self, i: int):
+        """(rank, start, end) for every rank whose shard holds part of parameter i; start
+        and end are offsets into that parameter."""
+        start, n = self.starts[i], self.numels[i]
+        for rank in range(start // self.size, (start + n - 1) // self.size + 1):
+            lo, hi = max(start, rank * self.size), min(start + n, (rank + 1) * self.size)
+            yield rank, lo - start, hi - start
+
+    def gather(self) -> None:
+        """All-gather the shards into the full buffer (stage 3). Written through `.data`, so
+        autograd's record of the parameters saved for backward stays valid."""
+        if self.full.untyped_storage().size() == 0:
+            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+            dist.all_gather_single(self.full.data, self.shard.data)
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def reduce_scatter_grads(self) -> None:
+        """Add the sum over ranks of this group's gradients, shard r, into rank r's
+        `shard_grad`; drop the full gradients."""
+        flat = torch.zeros_like(self.full)
+        for p, start, n in zip(self.params, self.starts, self.numels):
+            flat[start:start + n].copy_(p.grad.view(-1))
+            p.grad = None
+        mine = torch.empty_like(self.shard_grad)
+        dist.reduce_scatter_single(mine, flat)
+        self.shard_grad += mine
+
+
+class Zero:
+    """One object per run: the flat groups, the optimizer over the shards, and the loop's
+    steps for stage 1, 2 or 3."""
+
+    def __init__(self, model: nn.Module, cfg, rt, stage: int):
+        self.model, self.stage, self.world_size = model, stage, rt.world_size
+        for p in model.parameters():  # every rank starts from rank 0's weights
+            dist.broadcast(p.data, src=0)
+        if stage < 3:
+            self.groups = [FlatShards(list(model.parameters()), rt.rank, rt.world_size, sharded_storage=False)]
+        else:
+            self.groups = self._units(model, rt)
+        self.optimizer = build_optimizer([g.shard for g in self.groups], cfg)
+        if stage == 1:  # gradients accumulate into one flat buffer, reduce-scattered once
+            self.flat_grad = torch.zeros_like(self.groups[0].full)
+            self._point_grads_at_flat_buffer()
+        if stage == 2:
+            group = self.groups[0]
+            for i, p in enumerate(group.params):
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self._send_to_owners(group, i, p))
+
+    # -- stage 1 ------------------------------------------------------------------------
+    def _point_grads_at_flat_buffer(self) -> None:
+        group = self.groups[0]
+        for p, start, n in zip(group.params, group.starts, group.numels):
+            p.grad = self.flat_grad[start:start + n].view_as(p)  # backward adds into these
+
+    # -- stage 2 ------------------------------------------------------------------------
+    def _send_to_owners(self, group: FlatShards, i: int, p: nn.Parameter) -> None:
+        """Backward just finished p's gradient: each piece goes to the rank owning it."""
+        rank = dist.get_rank()
+        for owner, start, end in group.owners(i):
+            piece = p.grad.view(-1)[start:end]
+            dist.reduce(piece, dst=owner)
+            if owner == rank:
+                offset = group.starts[i] + start - group.lo
+                group.shard_grad[offset:offset + end - start] += piece
+        p.grad = None  # this rank keeps no other gradient
+
+    # -- stage 3 ------------------------------------------------------------------------
+    def _units(self, model: nn.Module, rt) -> list[FlatShards]:
+        """One group per transformer block, gathered and freed around its forward and
+        backward; one for the rest (embeddings, final norm, head), gathered for the step."""
+        blocks = [m for m in model.modules() if isinstance(m, transformer_block_types(model))]
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        rest = [p for p in model.parameters() if id(p) not in in_blocks]
+        self.root = FlatShards(rest, rt.rank, rt.world_size, sharded_storage=True)
+        model.register_forward_pre_hook(lambda m, args: self.root.gather())
+        units = [self.root]
+        for block in blocks:
+            unit = FlatShards(list(block.parameters()), rt.rank, rt.world_size, sharded_storage=True)
+            unit.in_backward, unit.grads_ready = False, 0
+            block.register_forward_pre_hook(lambda m, args, u=unit: u.gather())
+            block.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda p, u=unit: self._after_grad(u))
+            units.append(unit)
+        return units
+
+    def _after_forward(self, unit: FlatShards, out) -> None:
+        if unit.in_backward:  # a recomputation (activation checkpointing) inside backward
+            return
+        unit.free()
+        outputs = [t for t in (out if isinstance(out, tuple) else (out,))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        for t in outputs:  # backward reaches the block: gather it again first
+            t.register_hook(lambda grad, u=unit: self._before_backward(u))
+
+    def _before_backward(self, unit: FlatShards) -> None:
+        unit.in_backward = True
+        unit.gather()
+
+    def _after_grad(self, unit: FlatShards) -> None:
+        unit.grads_ready += 1
+        if unit.grads_ready == len(unit.params):  # the block's backward is done
+            unit.reduce_scatter_grads()
+            unit.free()
+            unit.in_backward, unit.grads_ready = False, 0
+
+    # -- the loop's steps ------------------------------------------------------------------
+    def finish_backward(self) -> None:
+        if self.stage == 1:
+            mine = torch.empty_like(self.groups[0].shard_grad)
+            dist.reduce_scatter_single(mine, self.flat_grad)
+            self.groups[0].shard_grad += mine
+        if self.stage == 3:  # the rest of the model: its gradients are complete now
+            self.root.reduce_scatter_grads()
+            self.root.free()
+        for g in self.groups:
+            g.shard.grad = g.shard_grad / self.world_size  # the mean over ranks, as DDP's
+
+    def step(self) -> None:
+        self.optimizer.step()
+        if self.stage < 3:  # everyone needs the whole updated model for the next forward
+            group = self.groups[0]
+            dist.all_gather_single(group.full.data, group.shard.detach().clone())
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for g in self.groups:
+            g.shard_grad.zero_()
+        if self.stage == 1:
+            self.flat_grad.zero_()
+            self._point_grads_at_flat_buffer()
+
+    def gather_state_dict(self) -> dict:
+        for g in self.groups:
+            g.gather()
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.stage == 3:
+            for g in self.groups:
+                g.free()
+        return state
+
+
+def prepare(model, cfg, rt) -> Parallelized:
+    zero = Zero(model, cfg, rt, stage=int(cfg.strategy[-1]))
+    return Parallelized(module=model, optimizer=zero.optimizer, model=model, finish_backward=zero.finish_backward,
+                        zero_grad=zero.zero_grad, step=zero.step, gather_state_dict=zero.gather_state_dict,
+                        tracked=[g.shard_grad for g in zero.groups])
