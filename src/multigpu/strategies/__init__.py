@@ -24,6 +24,7 @@ class Parallelized:
     finish_backward: Callable[[], None] = lambda: None  # wait for gradient communication
     tracked: list = field(default_factory=list)  # tensors made in prepare (e.g. buckets)
     report: Callable[[], dict] | None = None  # the strategy's own measurements, for the record
+    counts_own_memory: bool = False  # True: `report` gives memory per replica; skip the tracker
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on CPU (sharding strategies override by gathering)."""
