@@ -90,6 +90,12 @@ def test_bad_fault_string(fault):
     assert "'raise@RANK:STEP' or 'kill@RANK:STEP'" in message
 
 
+def test_fault_on_a_rank_that_does_not_exist():
+    """dp is one process: a fault on its rank 1 would never fire, so it is refused."""
+    message = refused(strategy="dp", world_size=2, fault="raise@1:0")
+    assert "names rank 1" in message and "1 process(es)" in message
+
+
 def test_good_fault_string_is_parsed():
     assert config.parse_fault("kill@1:2") == ("kill", 1, 2)
     RunConfig(strategy="ddp", world_size=2, fault="raise@0:0").validate()

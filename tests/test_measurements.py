@@ -231,16 +231,17 @@ def test_bytes_on_the_wire_follow_the_ring_rule():
 
 @pytest.mark.slow
 def test_data_parallel_primary_replica_holds_more():
-    """dp: every replica saves what one device saves for its share of the batch (less the
-    loss's saved logits, which live on the primary); the primary alone holds the optimizer
-    state and the gathered outputs with their gradient (2 x N output chunks)."""
+    """dp: every replica saves what one device saves for its share of the batch, less the
+    loss's saved log-probabilities, which the primary saves for the whole batch; the primary
+    alone holds the optimizer state and the gathered outputs with their gradient."""
     single = launch(RunConfig(model="gpt-tiny", steps=3, global_batch_size=4, dataset="dummy"), progress=False)
     dp = launch(RunConfig(strategy="dp", world_size=2, model="gpt-tiny", steps=3, global_batch_size=8,
                           optimizer="sgd-momentum", dataset="dummy"), progress=False)
     primary, replica = dp["peak_memory_bytes_by_rank"]
     logits = 4 * 64 * 128 * 4  # one replica's output: batch 4 x seq 64 x vocab 128, fp32
     assert replica["activations"] + logits == pytest.approx(single["saved_activation_bytes_by_rank"][0], rel=0.01)
-    assert primary["activations"] == replica["activations"]
+    labels = 8 * 64 * 8  # the whole batch's int64 labels, saved with the log-probabilities
+    assert primary["activations"] - replica["activations"] == pytest.approx(2 * logits + labels, rel=0.001)
     assert primary["optimizer"] == 4 * P and replica["optimizer"] == 0
     assert primary["other"] - replica["other"] == 2 * 2 * logits
     assert dp["strategy_report"]["implementation"].startswith("from scratch")

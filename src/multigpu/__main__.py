@@ -79,7 +79,7 @@ def cmd_run(args) -> int:
     print(f"  step time   {record['step_time_s'] * 1e3:.1f} ms (median of {record['timed_steps']} steps)")
     print(f"  throughput  {record['tokens_per_s']:,.0f} tokens/s, {record['samples_per_s']:,.1f} samples/s")
     who = "primary replica" if cfg.strategy == "dp" else "rank 0"
-    print(f"  peak memory, {who}: " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items()))
+    print(f"  peak memory, {who}: " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items() if v is not None))
     comm = record["comm_payload_bytes_per_step_by_rank"][0]
     if comm:
         print("  collectives per step, rank 0: " + ", ".join(f"{k} {_mib(v)}" for k, v in comm.items()))

@@ -24,6 +24,8 @@ from multigpu.models import build_model, compute_loss, default_seq_len, vocab_si
 def train_with_stale_gradients(delay: int, *, model: str = "gpt-tiny", steps: int = 150, batch_size: int = 16,
                                lr: float = 0.3, seed: int = 0) -> dict:
     """SGD where the gradient applied at step t is that of the weights at step t - delay."""
+    if not isinstance(delay, int) or delay < 0:
+        raise ValueError(f"delay must be a whole number of updates >= 0, got {delay!r}")
     torch.manual_seed(seed)
     current = build_model(model, seed)
     stale = copy.deepcopy(current)  # where the delayed gradient is computed

@@ -13,6 +13,7 @@ Everything after the simulation runs inside a process group: call it with
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import torch
@@ -61,13 +62,16 @@ def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
 
 
 def naive_all_reduce(tensor: torch.Tensor) -> int:
-    """Everyone sends everything to everyone: N-1 copies of the data leave every rank."""
+    """Everyone sends everything to everyone: N-1 copies of the data leave every rank.
+    Every rank adds the N tensors in rank order, so all get the same bits."""
     rank, n = dist.get_rank(), dist.get_world_size()
     peers = [p for p in range(n) if p != rank]
-    received = [torch.empty_like(tensor) for _ in peers]
-    sent = _exchange([(tensor, p) for p in peers], list(zip(received, peers)))
-    for r in received:
-        tensor += r
+    received = dict(zip(peers, (torch.empty_like(tensor) for _ in peers)))
+    sent = _exchange([(tensor, p) for p in peers], [(buf, p) for p, buf in received.items()])
+    received[rank] = tensor.clone()
+    tensor.copy_(received[0])
+    for r in range(1, n):
+        tensor += received[r]
     return sent
 
 
@@ -121,30 +125,26 @@ def ring_all_reduce(tensor: torch.Tensor) -> int:
     return ring_reduce_scatter(tensor) + ring_all_gather(tensor)
 
 
-def library_all_reduce(tensor: torch.Tensor) -> int:
-    """torch.distributed.all_reduce; the bytes are the ring rule's (the library does not say)."""
-    n = dist.get_world_size()
+# The library's collectives do not say what they send: they return None, and the
+# loopback counter measures it.
+
+def library_all_reduce(tensor: torch.Tensor) -> None:
     dist.all_reduce(tensor)
-    return round(2 * (n - 1) / n * tensor.numel() * tensor.element_size())
 
 
-def library_reduce_scatter(tensor: torch.Tensor) -> int:
-    """The library's reduce-scatter of `tensor` (size divisible by N) into this rank's
-    shard; the bytes are the rule's, (N-1)/N of the data."""
-    n = dist.get_world_size()
-    shard = torch.empty(tensor.numel() // n, dtype=tensor.dtype)
+def library_reduce_scatter(tensor: torch.Tensor) -> None:
+    """Reduce-scatter `tensor` (size divisible by N) into this rank's shard."""
+    shard = torch.empty(tensor.numel() // dist.get_world_size(), dtype=tensor.dtype)
     dist.reduce_scatter_single(shard, tensor.view(-1))
-    return (n - 1) * shard.numel() * shard.element_size()
 
 
-def library_all_gather(tensor: torch.Tensor) -> int:
-    """The library's all-gather of this rank's shard of `tensor` into all of it."""
+def library_all_gather(tensor: torch.Tensor) -> None:
+    """All-gather this rank's shard of `tensor` (size divisible by N) into all of it."""
     n, rank = dist.get_world_size(), dist.get_rank()
     flat = tensor.view(-1)
     size = flat.numel() // n
     shard = flat[rank * size:(rank + 1) * size].clone()
     dist.all_gather_single(flat, shard)
-    return (n - 1) * shard.numel() * shard.element_size()
 
 
 ALL_REDUCES = {
@@ -168,7 +168,8 @@ def compare_with_library(sizes: list[int], dtypes: list[str], seed: int = 0) -> 
     Two inputs per case: small whole numbers, whose sums are exact in any order (so the
     results must be equal bit for bit), and random normals (equal up to rounding, since the
     sums run in another order). Returns, per algorithm, size and dtype, this rank's largest
-    difference from the library and the bytes it sent."""
+    difference from the library, a digest of its result (all ranks must hold the same
+    bits) and the bytes it sent."""
     rank = dist.get_rank()
     out = []
     for dtype_name in dtypes:
@@ -185,6 +186,7 @@ def compare_with_library(sizes: list[int], dtypes: list[str], seed: int = 0) -> 
                     sent = algorithm(ours)
                     out.append({"algorithm": name, "size": size, "dtype": dtype_name, "input": kind,
                                 "max_abs_diff": (ours.float() - expected.float()).abs().max().item(),
+                                "digest": hashlib.sha1(ours.view(torch.uint8).numpy().tobytes()).hexdigest(),
                                 "sent_bytes": sent})
     return out
 
@@ -241,7 +243,14 @@ def benchmark(sizes: list[int], algorithms: list[str], min_time_s: float = 0.3, 
     and (rank 0) the loopback interface's bytes per call, all ranks together."""
     from multigpu.comm import loopback_tx_bytes
 
-    rank = dist.get_rank()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    bad = [s for s in sizes if s % (4 * n)]
+    if bad:
+        raise ValueError(f"sizes {bad} are not whole numbers of float32 elements divisible by "
+                         f"{n} ranks; use multiples of {4 * n} bytes")
+    unknown = [a for a in algorithms if a not in ALL_REDUCES | HALVES]
+    if unknown:
+        raise ValueError(f"unknown algorithm(s) {unknown}; choose from {[*ALL_REDUCES, *HALVES]}")
     rows = []
     for size in sizes:
         x = torch.ones(size // 4)

@@ -140,7 +140,10 @@ class RunConfig:
                 f"threads_per_worker must be >= 1 or None, got {self.threads_per_worker!r}"
             )
         if self.fault is not None:
-            parse_fault(self.fault)
+            _, fault_rank, _ = parse_fault(self.fault)
+            if fault_rank >= self.processes:
+                raise ConfigError(f"fault={self.fault!r} names rank {fault_rank}, but this run has "
+                                  f"{self.processes} process(es) (ranks 0 to {self.processes - 1})")
         return self
 
     # -- serialisation ----------------------------------------------------------------

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from multigpu import records
+from multigpu.comm import sent_bytes
 from multigpu.config import RunConfig
-from multigpu.launch import launch
+from multigpu.launch import launch, threads_per_process
 
 
 @dataclass
@@ -120,14 +121,14 @@ def _dp_vs_ddp() -> list[RunConfig]:
     device = ddp_device()
     base = RunConfig(model=model, seq_len=seq, steps=8, dataset="dummy", optimizer="sgd-momentum", device=device)
     runs = [base.replace(global_batch_size=per_replica)]
-    for n in (2, 4) if not on_gpus(2) else (2, max_world_size()):
+    for n in sorted({2, max_world_size()}) if on_gpus(2) else (2, 4):
         runs += [base.replace(strategy="ddp", world_size=n, global_batch_size=per_replica * n),
                  base.replace(strategy="dp", world_size=n, global_batch_size=per_replica * n),
                  base.replace(strategy="dp", world_size=n, global_batch_size=2 * per_replica * n)]
     return runs
 
 
-MiB = 2**20
+MiB = 2**20  # bytes
 # message sizes from 4 KiB to 256 MiB; the small ones share one launch
 _SMALL = [4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024]
 _LARGE = [MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
@@ -139,8 +140,7 @@ def _collective_records(world_size: int, sizes: list[int]) -> list[dict]:
 
     per_rank = run_spmd("multigpu.collectives:benchmark", world_size, sizes=sizes,
                         algorithms=[*ALL_REDUCES, *HALVES], timeout_s=900)
-    threads = max(1, (os.cpu_count() or 1) // world_size)  # what run_spmd gives each process
-    prov = records.provenance("gloo", world_size, "cpu", threads)
+    prov = records.provenance("gloo", world_size, "cpu", threads_per_process(world_size))
     out = []
     for rows in zip(*per_rank):  # the same (size, algorithm) on every rank
         first = rows[0]
@@ -151,9 +151,10 @@ def _collective_records(world_size: int, sizes: list[int]) -> list[dict]:
             "world_size": world_size, "size_bytes": first["size_bytes"], "algorithm": first["algorithm"],
             "time_s": time_s, "calls_timed": len(first["times_s"]),
             "algbw_bytes_per_s": algbw,
-            # NCCL-tests' bus bandwidth: what each link carries, comparable across N
-            # (all-reduce moves 2(N-1)/N of the data per rank, each half (N-1)/N)
-            "busbw_bytes_per_s": algbw * (1 if first["algorithm"] in HALVES else 2) * (world_size - 1) / world_size,
+            # NCCL-tests' bus bandwidth: the bytes a ring sends per rank, per second, so
+            # that N = 2 and N = 8 compare (all-reduce 2(N-1)/N of the data, each half (N-1)/N)
+            "busbw_bytes_per_s": sent_bytes("reduce_scatter" if first["algorithm"] in HALVES else "all_reduce",
+                                            algbw, world_size),
             "sent_bytes_by_rank": [r["sent_bytes"] for r in rows],
             "loopback_bytes_per_call": first["loopback_bytes_per_call"],
             "provenance": prov,

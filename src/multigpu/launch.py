@@ -44,6 +44,11 @@ def _say_once(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def threads_per_process(processes: int) -> int:
+    """The machine's cores split evenly over the processes (at least one each)."""
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
 def check_port_free(port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -120,9 +125,13 @@ def launch(
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if cfg.strategy == "dp":  # one process: no backend, the replicas are threads
-        why = (f"torch.nn.DataParallel on {cfg.world_size} CUDA GPU(s)" if device == "cuda" else
-               f"DataParallel from scratch, {cfg.world_size} threads on the CPU "
-               f"(nn.DataParallel needs {cfg.world_size} CUDA GPUs; {why.removeprefix('gloo on CPU (')}")
+        import torch
+
+        n, gpus = cfg.world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0
+        reason = ("the CPU was asked for" if cfg.device == "cpu"
+                  else f"nn.DataParallel needs {n} CUDA GPUs, this machine has {gpus}")
+        why = (f"torch.nn.DataParallel on {n} CUDA GPUs" if device == "cuda"
+               else f"DataParallel from scratch, {n} threads on the CPU ({reason})")
     _say_once(f"multigpu: using {why}")
 
     if port is not None:
@@ -146,7 +155,7 @@ def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, t
     start = time.monotonic()
     rc, tail = run_torchrun(
         args, processes=cfg.processes, rendezvous=rendezvous,
-        threads=cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.world_size),
+        threads=cfg.threads_per_worker or threads_per_process(cfg.world_size),
         timeout_s=timeout_s, progress=progress, bar=(cfg.steps, f"{cfg.strategy} x{cfg.world_size}"),
         verbose=verbose,
         timeout_hint=f"raise timeout_s or run fewer steps ({cfg.steps}) or a smaller model ({cfg.model})")

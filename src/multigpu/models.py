@@ -99,7 +99,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # (batch, seq, vocab)
         if labels is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return loss_from_logits(logits, labels)
 
 
 # T5 sizes are those of the released checkpoints (Raffel et al. 2020, Table 14;
@@ -189,6 +189,11 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     block_types = transformer_block_types(model)
     apply_ac(model, check_fn=lambda m: isinstance(m, block_types))
     return model
+
+
+def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every label token (in fp32, whatever the logits' dtype)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 def compute_loss(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -29,19 +29,27 @@ from multigpu.config import ConfigError, max_cpu_workers
 def run_spmd(target: str, world_size: int, *, timeout_s: float = 600, threads: int | None = None,
              progress: bool | None = False, verbose: bool = False, **kwargs) -> list:
     """Call `target(**kwargs)` on `world_size` CPU processes (gloo); return their results."""
-    from multigpu.launch import LaunchError, _failure_message, run_torchrun
+    from multigpu.launch import LaunchError, _failure_message, run_torchrun, threads_per_process
 
     if not isinstance(world_size, int) or not 1 <= world_size <= max_cpu_workers():
         raise ConfigError(f"world_size must be a whole number from 1 to {max_cpu_workers()}, got {world_size!r}")
     module, _, name = target.partition(":")
-    if not name or not callable(getattr(importlib.import_module(module), name, None)):
+    try:
+        found = bool(module) and callable(getattr(importlib.import_module(module), name, None))
+    except ImportError:
+        found = False
+    if not name or not found:
         raise ConfigError(f"target must name an importable function as 'module:function', got {target!r}")
+    try:
+        arguments = pickle.dumps(kwargs)
+    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        raise ConfigError(f"the keyword arguments must pickle to reach the other processes: {err}") from None
     out_dir = Path(tempfile.mkdtemp(prefix="multigpu-spmd-"))
     try:
-        (out_dir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs))
+        (out_dir / "kwargs.pkl").write_bytes(arguments)
         rc, tail = run_torchrun(
             ["-m", "multigpu.spmd", target, "--out", str(out_dir)], processes=world_size,
-            rendezvous=["--standalone"], threads=threads or max(1, (os.cpu_count() or 1) // world_size),
+            rendezvous=["--standalone"], threads=threads or threads_per_process(world_size),
             timeout_s=timeout_s, progress=progress, bar=(0, f"{name} x{world_size}"), verbose=verbose)
         paths = [out_dir / f"result-rank{r}.pkl" for r in range(world_size)]
         if rc != 0 or not all(p.exists() for p in paths):

@@ -62,7 +62,9 @@ def train(cfg: RunConfig, rt) -> dict:
 
     losses, step_times_s = [], []
     memory_tracker, comm = None, None
-    last_tracked_step = min(1, cfg.steps - 1) if cfg.track_memory else -1
+    # dp's replicas are threads, which the (per-thread) tracker would not see: dp counts its own
+    track_memory = cfg.track_memory and not par.counts_own_memory
+    last_tracked_step = min(1, cfg.steps - 1) if track_memory else -1
     comm_step = min(2, cfg.steps - 1)  # DDP re-plans its buckets on step 1 (a one-off broadcast)
     tracking = ExitStack()
     # all ranks on this machine talking over gloo: their traffic is the loopback's traffic
@@ -73,7 +75,7 @@ def train(cfg: RunConfig, rt) -> dict:
 
     for step in range(cfg.steps):
         _maybe_fail(cfg, rt.rank, step)
-        if step == 0 and cfg.track_memory:
+        if step == 0 and track_memory:
             memory_tracker = PeakMemoryTracker(par.model, par.module, par.optimizer, *par.tracked)
             tracking.enter_context(memory_tracker)
         counter = CommCounter(rt.world_size) if step == comm_step else nullcontext()

@@ -24,6 +24,7 @@ class Parallelized:
     finish_backward: Callable[[], None] = lambda: None  # wait for gradient communication
     tracked: list = field(default_factory=list)  # tensors made in prepare (e.g. buckets)
     report: Callable[[], dict] | None = None  # the strategy's own measurements, for the record
+    counts_own_memory: bool = False  # True: `report` gives memory per replica; skip the tracker
     # the steps of the loop, for strategies that must do more than the plain calls
     zero_grad: Callable[[], None] | None = None  # default: optimizer.zero_grad(set_to_none=True)
     backward: Callable[[torch.Tensor], None] | None = None  # default: loss.backward()

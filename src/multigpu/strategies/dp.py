@@ -13,12 +13,13 @@ import copy
 import threading
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from multigpu.memory import CATEGORIES, optimizer_state_bytes, tensor_bytes
+from multigpu.models import loss_from_logits
 from multigpu.strategies import Parallelized, build_optimizer
 
 DP_STEPS = [
@@ -33,25 +34,24 @@ DP_STEPS = [
 ]
 
 
-def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The models' own loss (mean cross-entropy over every label token), from outside."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
 def logits_of(model: nn.Module, **inputs) -> torch.Tensor:
     out = model(**inputs)
     return out if isinstance(out, torch.Tensor) else out.logits  # GPT returns logits, T5 an object
 
 
 class _Logits(nn.Module):
-    """The model without its loss, so that DataParallel gathers outputs, not N losses."""
+    """The model without its loss, so that DataParallel gathers outputs, not N losses.
+    nn.DataParallel's threads re-enter autocast with its default dtype (float16 on CUDA), so
+    the caller's dtype is carried in `autocast` and restored here."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.autocast = {"device_type": "cuda", "enabled": False}
 
     def forward(self, **inputs):
-        return logits_of(self.model, **inputs)
+        with torch.autocast(**self.autocast):
+            return logits_of(self.model, **inputs)
 
 
 class GPUDataParallel(nn.Module):
@@ -65,13 +65,33 @@ class GPUDataParallel(nn.Module):
         self.replicas = replicas
 
     def forward(self, labels, **inputs):
+        self.dp.module.autocast = {"device_type": "cuda", "enabled": torch.is_autocast_enabled("cuda"),
+                                   "dtype": torch.get_autocast_dtype("cuda")}
         return loss_from_logits(self.dp(**inputs), labels)
 
     def report(self, optimizer) -> dict:
-        """On GPUs the allocator measures each device's peak; categories are not split."""
+        """On GPUs the allocator measures each device's peak; categories are not split, so
+        they are None (not measured)."""
         peaks = [torch.cuda.max_memory_allocated(i) for i in range(self.replicas)]
         return {"implementation": self.implementation,
                 "peak_memory_bytes_by_replica": [dict.fromkeys(CATEGORIES) | {"total": p} for p in peaks]}
+
+
+@contextmanager
+def _counting_saved(model: nn.Module, saved: list[int], i: int):
+    """Add to saved[i] the bytes of what autograd saves for backward inside the block: each
+    storage once, and not the model's own weights (they are parameters, counted apart).
+    Saved-tensor hooks are per thread, so each replica thread counts its own."""
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def keep(x):
+        if x.untyped_storage().data_ptr() not in seen:
+            seen.add(x.untyped_storage().data_ptr())
+            saved[i] += x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+        yield
 
 
 class ScratchDataParallel(nn.Module):
@@ -97,18 +117,10 @@ class ScratchDataParallel(nn.Module):
         replicas = [self.model] + [copy.deepcopy(self.model) for _ in range(self.n - 1)]
         t = self._lap("replicate", t)
         # 3. parallel forward; each thread also counts what its forward saves for backward
-        # (each storage once, the replica's own weights not: they are parameters)
         saved = [0] * self.n
 
         def forward_one(i):
-            seen = {p.untyped_storage().data_ptr() for p in replicas[i].parameters()}
-
-            def keep(x):
-                if x.untyped_storage().data_ptr() not in seen:
-                    seen.add(x.untyped_storage().data_ptr())
-                    saved[i] += x.untyped_storage().nbytes()
-                return x
-            with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+            with _counting_saved(replicas[i], saved, i):
                 return logits_of(replicas[i], **chunks[i])
 
         outputs = self._in_threads("forward", forward_one)
@@ -118,8 +130,9 @@ class ScratchDataParallel(nn.Module):
         t = self._lap("gather", t)
         # 6.-7. run when backward has produced the gathered outputs' gradient (see below)
         gathered.register_post_accumulate_grad_hook(lambda g: self._backward(g, outputs, replicas))
-        # 5. the loss, on the primary
-        loss = loss_from_logits(gathered, labels)
+        # 5. the loss, on the primary (what it saves for backward is the primary's too)
+        with _counting_saved(self.model, saved, 0):
+            loss = loss_from_logits(gathered, labels)
         self._lap("loss", t)
         self._hold(replicas, outputs, saved)
         return loss
@@ -135,29 +148,36 @@ class ScratchDataParallel(nn.Module):
             if i == 0:
                 outputs[0].backward(grad_chunks[0])
                 return None
-            return torch.autograd.grad(outputs[i], list(replicas[i].parameters()), grad_chunks[i])
+            return torch.autograd.grad(outputs[i], list(replicas[i].parameters()), grad_chunks[i],
+                                       allow_unused=True)  # a parameter this input did not use
 
         replica_grads = self._in_threads("backward", backward_one)
         t = self._lap("backward", t)
         # 7. reduce: add every replica's gradients into the primary's
         for j, primary in enumerate(self.model.parameters()):
             for grads in replica_grads[1:]:
+                if grads[j] is None:
+                    continue
+                if primary.grad is None:
+                    primary.grad = torch.zeros_like(primary)
                 primary.grad.add_(grads[j])
         self._lap("reduce", t)
 
     # -- bookkeeping -------------------------------------------------------------------
     def _in_threads(self, phase: str, work) -> list:
-        """work(i) for every replica i, each in its own thread; the caller's autocast state
-        goes with them (it is per thread), and a replica's exception is raised here."""
+        """work(i) for every replica i, each in its own thread; the caller's grad mode and
+        autocast state go with them (both are per thread), and a replica's exception is
+        raised here."""
         device = "cpu"
         autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
                         enabled=torch.is_autocast_enabled(device))
+        grad_enabled = torch.is_grad_enabled()
         results, errors, timing = [None] * self.n, [], [None] * self.n
 
         def run(i):
             start, cpu = time.perf_counter(), time.thread_time()
             try:
-                with torch.autocast(**autocast):
+                with torch.set_grad_enabled(grad_enabled), torch.autocast(**autocast):
                     results[i] = work(i)
             except BaseException as err:  # noqa: BLE001 - handed to the caller below
                 errors.append(err)
@@ -181,7 +201,7 @@ class ScratchDataParallel(nn.Module):
     def _hold(self, replicas, outputs, saved) -> None:
         """Bytes each replica's tensors take during a step, counted tensor by tensor.
         Primary: the weights, their gradients, the optimizer state (added in `report`), its
-        saved activations, and the gathered outputs with their gradient. Replica i > 0: its
+        saved activations and the loss's, and the gathered outputs with their gradient. Replica i > 0: its
         copy of the weights, its gradients (until reduced), its saved activations, its
         output chunk and that chunk's gradient."""
         params = tensor_bytes(self.model.parameters())
@@ -192,6 +212,8 @@ class ScratchDataParallel(nn.Module):
             self.held[i] = {c: max(self.held[i][c], now[c]) for c in CATEGORIES}
 
     def report(self, optimizer) -> dict:
+        """What the record keeps: bytes per replica, seconds per phase (every call) and the
+        threads' timing (last step)."""
         held = [dict(h) for h in self.held]
         held[0]["optimizer"] = optimizer_state_bytes(optimizer)  # the update happens on the primary only
         for h in held:
@@ -208,4 +230,5 @@ def prepare(model, cfg, rt) -> Parallelized:
     cls = GPUDataParallel if rt.device.type == "cuda" else ScratchDataParallel
     module = cls(model, cfg.world_size)
     optimizer = build_optimizer(model.parameters(), cfg)
-    return Parallelized(module=module, optimizer=optimizer, model=model, report=lambda: module.report(optimizer))
+    return Parallelized(module=module, optimizer=optimizer, model=model, report=lambda: module.report(optimizer),
+                        counts_own_memory=True)
