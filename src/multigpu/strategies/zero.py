@@ -133,7 +133,7 @@ class Zero:
         units = [self.root]
         for block in blocks:
             unit = FlatShards(list(block.parameters()), rt.rank, rt.world_size, sharded_storage=True)
-            unit.in_backward, unit.grads_ready = False, 0
+            unit.in_backward, unit.awaiting_backward, unit.grads_ready = False, False, 0
             block.register_forward_pre_hook(lambda m, args, u=unit: u.gather())
             block.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
             for p in unit.params:
@@ -145,12 +145,17 @@ class Zero:
         if unit.in_backward:  # a recomputation (activation checkpointing) inside backward
             return
         unit.free()
+        unit.awaiting_backward = True
         outputs = [t for t in (out if isinstance(out, tuple) else (out,))
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         for t in outputs:  # backward reaches the block: gather it again first
             t.register_hook(lambda grad, u=unit: self._before_backward(u))
 
     def _before_backward(self, unit: FlatShards) -> None:
+        # an output that is not the block's last use (T5 passes one position-bias tensor
+        # through every block) may get its gradient after the block's backward is done
+        if not unit.awaiting_backward:
+            return
         unit.in_backward = True
         unit.gather()
 
@@ -159,7 +164,7 @@ class Zero:
         if unit.grads_ready == len(unit.params):  # the block's backward is done
             unit.reduce_scatter_grads()
             unit.free()
-            unit.in_backward, unit.grads_ready = False, 0
+            unit.in_backward, unit.awaiting_backward, unit.grads_ready = False, False, 0
 
     # -- the loop's steps ------------------------------------------------------------------
     def finish_backward(self) -> None:
@@ -175,6 +180,8 @@ class Zero:
 
     def step(self) -> None:
         self.optimizer.step()
+        for g in self.groups[1:] if self.stage == 3 else ():  # no stale copy may survive the update
+            g.free()
         if self.stage < 3:  # everyone needs the whole updated model for the next forward
             group = self.groups[0]
             dist.all_gather_single(group.full.data, group.shard.detach().clone())
