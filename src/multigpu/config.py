@@ -19,6 +19,12 @@ STRATEGIES = {
     "zero1": "ZeRO stage 1 from scratch: optimizer state sharded",
     "zero2": "ZeRO stage 2 from scratch: optimizer state and gradients sharded",
     "zero3": "ZeRO stage 3 from scratch: optimizer state, gradients and parameters sharded",
+    "zero1-torch": "ZeRO stage 1 with PyTorch's ZeroRedundancyOptimizer and DDP",
+    "fsdp": "FSDP2 fully_shard per block (extra reshard_after_forward: True like ZeRO-3, False like ZeRO-2)",
+    "fsdp1": "FSDP1 FullyShardedDataParallel with transformer_auto_wrap_policy",
+    "deepspeed-zero1": "DeepSpeed ZeRO stage 1",
+    "deepspeed-zero2": "DeepSpeed ZeRO stage 2",
+    "deepspeed-zero3": "DeepSpeed ZeRO stage 3",
 }
 # strategies that run every replica as a thread of one process, not one process each
 ONE_PROCESS = ("single", "dp")

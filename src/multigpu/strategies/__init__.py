@@ -42,17 +42,25 @@ class Parallelized:
         return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
-def build_optimizer(params, cfg) -> torch.optim.Optimizer:
+def optimizer_spec(cfg) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer's class and keyword arguments (for wrappers that build it themselves)."""
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr)
+        return torch.optim.SGD, {"lr": cfg.lr}
     if cfg.optimizer == "sgd-momentum":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
-    return torch.optim.AdamW(params, lr=cfg.lr)
+        return torch.optim.SGD, {"lr": cfg.lr, "momentum": 0.9}
+    return torch.optim.AdamW, {"lr": cfg.lr}
+
+
+def build_optimizer(params, cfg) -> torch.optim.Optimizer:
+    cls, kwargs = optimizer_spec(cfg)
+    return cls(params, **kwargs)
 
 
 def prepare(model: nn.Module, cfg, rt) -> Parallelized:
-    from multigpu.strategies import ddp, ddp_scratch, dp, single, zero
+    from multigpu.strategies import ddp, ddp_scratch, deepspeed, dp, fsdp, fsdp1, single, zero, zero_torch
 
     by_name = {"single": single, "ddp": ddp, "ddp-scratch": ddp_scratch, "dp": dp,
-               "zero1": zero, "zero2": zero, "zero3": zero}
+               "zero1": zero, "zero2": zero, "zero3": zero, "zero1-torch": zero_torch,
+               "fsdp": fsdp, "fsdp1": fsdp1,
+               "deepspeed-zero1": deepspeed, "deepspeed-zero2": deepspeed, "deepspeed-zero3": deepspeed}
     return by_name[cfg.strategy].prepare(model, cfg, rt)

@@ -1,0 +1,76 @@
+"""DeepSpeed ZeRO stages 1, 2 and 3: `deepspeed.initialize` from a JSON config.
+
+DeepSpeed takes over three calls of the training loop: `engine(batch)` for forward,
+`engine.backward(loss)` (which partitions gradients for stages 2 and 3) and `engine.step()`
+(which updates each rank's shard and gathers the parameters). It counts micro-batches
+itself: `engine.step()` after every micro-batch steps the optimizer only at the end of
+`gradient_accumulation_steps` of them.
+
+On a CPU, DeepSpeed runs with `DS_ACCELERATOR=cpu` over gloo. Its first run compiles a
+small C++ extension; `TORCH_EXTENSIONS_DIR` keeps it under this project's `_build/` rather
+than in the user's home.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from multigpu.records import ROOT
+from multigpu.strategies import Parallelized, build_optimizer
+
+EXTENSIONS_DIR = ROOT / "_build" / "torch_extensions"
+
+
+def config(cfg, stage: int) -> dict:
+    """The DeepSpeed config for a run (the chapter shows it). The optimizer is the run's own
+    torch optimizer, passed to `initialize`, so every strategy steps with the same code."""
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "train_batch_size": cfg.global_batch_size,
+        "zero_optimization": {"stage": stage, **cfg.extra.get("zero_optimization", {})},
+        "bf16": {"enabled": cfg.dtype == "bf16-mixed"},
+        "zero_allow_untested_optimizer": True,  # a plain torch optimizer, not DeepSpeed's own
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def import_deepspeed(device_type: str):
+    """Import DeepSpeed for this device; the extension it compiles on first use goes to
+    _build/. Ranks take turns, so that two never compile it at once."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device_type == "cpu" else "cuda")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
+    if dist.get_rank() != 0:
+        dist.barrier()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator()  # loads (and, the first time, builds) what the accelerator needs
+    if dist.get_rank() == 0:
+        dist.barrier()
+    return deepspeed
+
+
+def prepare(model, cfg, rt) -> Parallelized:
+    deepspeed = import_deepspeed(rt.device.type)
+    stage = int(cfg.strategy[-1])
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(model.parameters(), cfg),
+                                                   config=config(cfg, stage))
+
+    def backward(loss):
+        # our loop already divides the loss by the accumulation steps
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.step()  # an optimizer step only at the last micro-batch of the step
+
+    def gather_state_dict():
+        if stage < 3:
+            return model.state_dict()
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    return Parallelized(module=engine, optimizer=optimizer, model=model, backward=backward,
+                        step=lambda: None, zero_grad=lambda: None, gather_state_dict=gather_state_dict)
