@@ -102,6 +102,34 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank stores: a DTensor's local shard, else the tensor."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """What this rank holds between steps, by category: the bytes of every storage reached
+    from the model's parameters and the optimizer's, their gradients, and the optimizer's
+    state, each storage counted once. Counting storages, not tensors, is what makes sharding
+    visible: a parameter that is a view into a freed buffer holds nothing, a flat buffer
+    holds all its views once, and a DTensor (FSDP2) or a DeepSpeed partition (`ds_tensor`)
+    holds its local shard only."""
+    optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's own
+    params = [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
+    held = [_local(p) for p in params] + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    state = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    seen, out = set(), {}
+    for name, tensors in (("params", held), ("grads", grads), ("optimizer", state)):
+        out[name] = 0
+        for t in tensors:
+            storage = _local(t).untyped_storage()
+            if storage.data_ptr() not in seen and storage.nbytes() > 0:
+                seen.add(storage.data_ptr())
+                out[name] += storage.nbytes()
+    return out
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return tensor_bytes(
         v for state in optimizer.state.values() for v in state.values()

@@ -21,7 +21,7 @@ from multigpu import strategies
 from multigpu.comm import CommCounter, loopback_tx_bytes
 from multigpu.config import RunConfig, parse_fault
 from multigpu.data import TokenDataset, batches, make_loader
-from multigpu.memory import PeakMemoryTracker, empty_breakdown, optimizer_state_bytes, tensor_bytes, unique_tensors
+from multigpu.memory import PeakMemoryTracker, empty_breakdown, model_state_bytes
 from multigpu.models import apply_activation_checkpointing, build_model, compute_loss, default_seq_len, vocab_size
 
 PROGRESS_MARK = "@@multigpu-progress"  # rank 0 prints these lines; the launcher draws a bar
@@ -49,6 +49,7 @@ def train(cfg: RunConfig, rt) -> dict:
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     model.to(rt.device)
+    parameters = sum(p.numel() for p in model.parameters())  # before sharding hides them
     par = strategies.prepare(model, cfg, rt)
 
     seq_len = cfg.seq_len or default_seq_len(cfg.model)
@@ -117,11 +118,7 @@ def train(cfg: RunConfig, rt) -> dict:
         if rt.is_main:
             print(f"{PROGRESS_MARK} {step + 1} {cfg.steps} {step_loss:.6f}", flush=True)
 
-    model_states = {  # what this rank holds between steps, counted tensor by tensor
-        "params": tensor_bytes(unique_tensors(par.module.parameters())),
-        "grads": tensor_bytes(unique_tensors(p.grad for p in par.module.parameters() if p.grad is not None)),
-        "optimizer": optimizer_state_bytes(par.optimizer),
-    }
+    model_states = model_state_bytes(par.module, par.optimizer)  # what this rank holds between steps
     untracked = [t for s, t in enumerate(step_times_s) if s > max(last_tracked_step, comm_step, 0)]
     return {
         "rank": rt.rank,
@@ -141,5 +138,5 @@ def train(cfg: RunConfig, rt) -> dict:
         "strategy_report": par.report() if par.report else {},
         "state_dict": par.full_state_dict(),
         "seq_len": seq_len,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameters,
     }

@@ -168,15 +168,17 @@ class Zero:
 
     # -- the loop's steps ------------------------------------------------------------------
     def finish_backward(self) -> None:
-        if self.stage == 1:
-            mine = torch.empty_like(self.groups[0].shard_grad)
+        if self.stage == 1:  # this rank's shard of the summed gradients, back into its place
+            group = self.groups[0]
+            mine = torch.empty_like(group.shard_grad)
             dist.reduce_scatter_single(mine, self.flat_grad)
-            self.groups[0].shard_grad += mine
+            group.shard_grad = self.flat_grad[group.lo:group.hi]
+            group.shard_grad.copy_(mine)
         if self.stage == 3:  # the rest of the model: its gradients are complete now
             self.root.reduce_scatter_grads()
             self.root.free()
         for g in self.groups:
-            g.shard.grad = g.shard_grad / self.world_size  # the mean over ranks, as DDP's
+            g.shard.grad = g.shard_grad.div_(self.world_size)  # the mean over ranks, as DDP's
 
     def step(self) -> None:
         self.optimizer.step()
