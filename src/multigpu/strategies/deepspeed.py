@@ -26,11 +26,18 @@ EXTENSIONS_DIR = ROOT / "_build" / "torch_extensions"
 def config(cfg, stage: int) -> dict:
     """The DeepSpeed config for a run (the chapter shows it). The optimizer is the run's own
     torch optimizer, passed to `initialize`, so every strategy steps with the same code."""
+    bucket = int(cfg.bucket_cap_mb * 2**20 / 4)  # the run's bucket size, as for DDP
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum_steps,
         "train_batch_size": cfg.global_batch_size,
-        "zero_optimization": {"stage": stage, **cfg.extra.get("zero_optimization", {})},
+        "zero_optimization": {
+            "stage": stage,
+            # buckets in elements; DeepSpeed's default, 5e8, would hold 2 GB of fp32 gradients
+            "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+            **({"stage3_prefetch_bucket_size": bucket} if stage == 3 else {}),
+            **cfg.extra.get("zero_optimization", {}),
+        },
         "bf16": {"enabled": cfg.dtype == "bf16-mixed"},
         "zero_allow_untested_optimizer": True,  # a plain torch optimizer, not DeepSpeed's own
         "gradient_clipping": 0.0,
@@ -72,5 +79,6 @@ def prepare(model, cfg, rt) -> Parallelized:
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
             return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    return Parallelized(module=engine, optimizer=optimizer, model=model, backward=backward,
+    # the torch optimizer inside DeepSpeed's: it holds the fp32 shards and their state
+    return Parallelized(module=engine, optimizer=optimizer.optimizer, model=model, backward=backward,
                         step=lambda: None, zero_grad=lambda: None, gather_state_dict=gather_state_dict)
