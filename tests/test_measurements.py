@@ -245,3 +245,62 @@ def test_data_parallel_primary_replica_holds_more():
     assert primary["optimizer"] == 4 * P and replica["optimizer"] == 0
     assert primary["other"] - replica["other"] == 2 * 2 * logits
     assert dp["strategy_report"]["implementation"].startswith("from scratch")
+
+
+# -- sharding: what each rank holds, and what it sends -----------------------------------
+
+# The ZeRO paper's model states per rank, for fp32 training with AdamW (parameters 4 bytes,
+# gradients 4 bytes, optimizer state K = 8 bytes per parameter), in units of 4 Psi bytes:
+# (params, grads, optimizer) as functions of N.
+ZERO_FORMULA = {
+    "ddp": lambda n: (1, 1, 2),
+    "zero1": lambda n: (1, 1, 2 / n),  # P_os
+    "zero1-torch": lambda n: (1, 1, 2 / n),
+    "zero2": lambda n: (1, 1 / n, 2 / n),  # P_os+g
+    "zero3": lambda n: (1 / n, 1 / n, 2 / n),  # P_os+g+p
+    "fsdp": lambda n: (1 / n, 1 / n, 2 / n),
+    "fsdp1": lambda n: (1 / n, 1 / n, 2 / n),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", list(ZERO_FORMULA))
+def test_model_states_follow_the_zero_formulas(strategy, world_size):
+    """Measured by storage (each buffer once, a DTensor by its local shard): the bytes each
+    rank holds between steps, per category, averaged over ranks, against the formula.
+    Padding to equal shards and whole-tensor shards (ZeroRedundancyOptimizer) allow 2%."""
+    rec = record(strategy, world_size, optimizer="adamw")
+    held = rec["model_state_bytes_by_rank"]
+    for i, category in enumerate(("params", "grads", "optimizer")):
+        mean = sum(h[category] for h in held) / world_size
+        expected = ZERO_FORMULA[strategy](world_size)[i] * 4 * P
+        assert mean == pytest.approx(expected, rel=0.02, abs=64), (category, mean / (4 * P))
+    if strategy in ("zero1", "zero2", "zero3"):  # flat, evenly padded shards: every rank the same
+        assert all(h == held[0] for h in held)
+
+
+def sent_per_step(rec) -> float:
+    """Ring-rule bytes rank 0 sends per step, all kinds together."""
+    return sum(rec["comm_bytes_per_step_by_rank"][0].values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bytes_sent_per_step_follow_the_zero_paper(world_size):
+    """DDP and the from-scratch ZeRO-1 and ZeRO-2 send the same (a reduce-scatter and an
+    all-gather of every parameter are an all-reduce); ZeRO-3 and FSDP gather the parameters a second time for
+    backward: about 1.5 times DDP's bytes (less the root unit, which stays gathered)."""
+    ddp = sent_per_step(record("ddp", world_size))
+    assert ddp == pytest.approx(2 * (world_size - 1) / world_size * 4 * P, rel=1e-6)
+    for strategy in ("zero1", "zero2"):
+        assert sent_per_step(record(strategy, world_size)) == pytest.approx(ddp, rel=0.02), strategy
+    # PyTorch's ZeroRedundancyOptimizer rides on DDP: a full all-reduce of the gradients,
+    # then every updated parameter broadcast from the rank that owns it
+    payload = record("zero1-torch", world_size)["comm_payload_bytes_per_step_by_rank"][0]
+    assert payload == {"all_reduce": 4 * P, "broadcast": 4 * P}
+    for strategy in ("zero3", "fsdp", "fsdp1"):
+        ratio = sent_per_step(record(strategy, world_size)) / ddp
+        assert 1.25 <= ratio <= 1.52, (strategy, ratio)
