@@ -128,6 +128,27 @@ def _dp_vs_ddp() -> list[RunConfig]:
     return runs
 
 
+SHARDED = ["ddp", "zero1", "zero2", "zero3", "zero1-torch", "fsdp", "fsdp1",
+           "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
+
+
+def _sharded_memory_comm() -> list[RunConfig]:
+    """Every sharding strategy against DDP: memory by category, bytes sent and step time,
+    same model, same per-rank batch, world sizes 2 and 4 (or 2 and every GPU)."""
+    model, per_rank, seq = ("gpt2", 4, 256) if on_gpus(2) else ("gpt-small", 2, 128)
+    base = RunConfig(model=model, seq_len=seq, steps=8, optimizer="adamw", lr=1e-3, dataset="dummy",
+                     device=ddp_device())
+    runs = [base.replace(global_batch_size=per_rank)]
+    for n in sorted({2, max_world_size()}) if on_gpus(2) else (2, 4):
+        for strategy in SHARDED:
+            runs.append(base.replace(strategy=strategy, world_size=n, global_batch_size=per_rank * n))
+        runs.append(base.replace(strategy="fsdp", world_size=n, global_batch_size=per_rank * n,
+                                 extra={"reshard_after_forward": False}))
+        runs.append(base.replace(strategy="fsdp", world_size=n, global_batch_size=per_rank * n,
+                                 extra={"wrap": "root"}))
+    return runs
+
+
 MiB = 2**20  # bytes
 # message sizes from 4 KiB to 256 MiB; the small ones share one launch
 _SMALL = [4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024]
@@ -191,6 +212,7 @@ EXPERIMENTS = {
     "ddp_buckets": _ddp_buckets,
     "ddp_learning": _ddp_learning,
     "dp_vs_ddp": _dp_vs_ddp,
+    "sharded_memory_comm": _sharded_memory_comm,
     "collectives_bandwidth": _collectives_bandwidth,
     "async_staleness": _async_staleness,
 }

@@ -6,8 +6,10 @@ forward a unit all-gathers its parameters just before use and, with
 again, and reduce-scatters the gradients so each rank keeps its shard. With
 `reshard_after_forward=False` (ZeRO-2-like) the gathered parameters stay from forward to
 backward: one all-gather fewer, more memory. Options (RunConfig.extra):
-`reshard_after_forward` (default True). dtype bf16-mixed adds a MixedPrecisionPolicy:
-bf16 parameters for compute, fp32 gradient reduction.
+`reshard_after_forward` (default True); `wrap`: "blocks" (default) or "root" (the whole
+model one unit: everything is gathered at once, so the peak holds every parameter).
+dtype bf16-mixed adds a MixedPrecisionPolicy: bf16 parameters for compute, fp32 gradient
+reduction.
 """
 
 from contextlib import contextmanager
@@ -26,8 +28,9 @@ def prepare(model, cfg, rt) -> Parallelized:
     reshard = bool(cfg.extra.get("reshard_after_forward", True))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if cfg.dtype == "bf16-mixed" else MixedPrecisionPolicy())
-    for block in [m for m in model.modules() if isinstance(m, transformer_block_types(model))]:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    if cfg.extra.get("wrap", "blocks") == "blocks":  # "root": one unit, to show why units matter
+        for block in [m for m in model.modules() if isinstance(m, transformer_block_types(model))]:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     optimizer = build_optimizer(model.parameters(), cfg)
 
