@@ -10,6 +10,7 @@ rank's all-reduce payload is 4 bytes x parameters, and a ring all-reduce sends
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -304,3 +305,23 @@ def test_bytes_sent_per_step_follow_the_zero_paper(world_size):
     for strategy in ("zero3", "fsdp", "fsdp1"):
         ratio = sent_per_step(record(strategy, world_size)) / ddp
         assert 1.25 <= ratio <= 1.52, (strategy, ratio)
+
+
+# The ZeRO paper's Table 1: model-state memory per device in GB, Psi = 7.5B parameters,
+# mixed-precision Adam, for N_d = 1, 4, 16, 64, 256, 1024 devices.
+ZERO_TABLE_1 = {
+    0: [120, 120, 120, 120, 120, 120],
+    1: [120, 52.5, 35.6, 31.4, 30.4, 30.1],
+    2: [120, 41.3, 21.6, 16.6, 15.4, 15.1],
+    3: [120, 30, 7.5, 1.88, 0.47, 0.12],
+}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_formula_reproduces_the_papers_table_1(stage):
+    from multigpu.memory import zero_model_states
+
+    for n, printed in zip([1, 4, 16, 64, 256, 1024], ZERO_TABLE_1[stage]):
+        total_gb = sum(zero_model_states(int(7.5e9), n, stage, "adamw", "bf16-mixed").values()) / 1e9
+        scale = 10 ** len(str(printed).partition(".")[2])  # the paper's printed precision
+        assert math.floor(total_gb * scale + 0.5) / scale == printed, (stage, n, total_gb)  # rounded half up

@@ -135,3 +135,26 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         v for state in optimizer.state.values() for v in state.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0
     )
+
+
+# bytes per parameter of each model state, as the ZeRO paper counts them
+# (Rajbhandari et al. 2020, section 3.1): fp32 training keeps 4-byte parameters and
+# gradients; mixed precision keeps 2-byte ones plus an fp32 master copy in the optimizer.
+_OPTIMIZER_BYTES = {"sgd": 0, "sgd-momentum": 4, "adamw": 8}  # fp32 state per parameter
+
+
+def zero_model_states(parameters: int, world_size: int, stage: int, optimizer: str = "adamw",
+                      dtype: str = "fp32") -> dict[str, float]:
+    """Model-state bytes per rank under ZeRO stage 0 (plain data parallel) to 3.
+
+    fp32: params 4, grads 4, optimizer K = 0/4/8 bytes per parameter (SGD, momentum, Adam).
+    bf16-mixed: params 2, grads 2, optimizer K + 4 (the fp32 master weights); for Adam
+    that is the paper's 2 + 2 + 12. Stage 1 divides the optimizer's share by N, stage 2
+    also the gradients', stage 3 also the parameters'."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    low = dtype == "bf16-mixed"
+    per_param = {"params": 2 if low else 4, "grads": 2 if low else 4,
+                 "optimizer": _OPTIMIZER_BYTES[optimizer] + (4 if low else 0)}
+    sharded = {"optimizer": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
+    return {k: parameters * b / (world_size if sharded[k] else 1) for k, b in per_param.items()}
