@@ -85,6 +85,7 @@ class CommCounter(TorchDispatchMode):
         self.world_size = world_size
         self.calls: dict[str, int] = defaultdict(int)
         self.payload_bytes: dict[str, int] = defaultdict(int)
+        self.log: list[tuple[str, int]] = []  # (kind, payload bytes) in the order issued
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in ("c10d", "_c10d_functional"):
@@ -92,6 +93,7 @@ class CommCounter(TorchDispatchMode):
             if kind is not None:
                 self.calls[kind] += 1
                 self.payload_bytes[kind] += _payload_bytes(func, args)
+                self.log.append((kind, _payload_bytes(func, args)))
         return func(*args, **(kwargs or {}))
 
     @property

@@ -309,3 +309,73 @@ def max_batch(curves: dict, records, cap_label: str, title="Largest global batch
     ax.set_title(f"{title} ({cap_label})")
     ax.legend(fontsize=8)
     return fig
+
+
+# -- sharding ------------------------------------------------------------------------------
+
+def zero_stages(n: int = 4, k: int = 8, title="Who holds what: model states per rank, ZeRO stages 0-3"):
+    """A diagram from the formula (multigpu.memory.zero_model_states): for each stage, each
+    rank's parameters, gradients and optimizer state; the dark part is what the rank keeps,
+    the light outline what plain data parallelism would keep (fp32 with K bytes of optimizer
+    state per parameter)."""
+    from multigpu.memory import zero_model_states
+
+    style()
+    optimizer = {0: "sgd", 4: "sgd-momentum", 8: "adamw"}[k]
+    fig, axes = plt.subplots(1, 4, figsize=(10, 3.2), sharey=True, constrained_layout=True)
+    full = zero_model_states(1, 1, 0, optimizer)
+    for stage, ax in enumerate(axes):
+        held = zero_model_states(1, n, stage, optimizer)
+        bottom_full = 0.0
+        for cat in ("params", "grads", "optimizer"):
+            ax.bar(range(n), [full[cat]] * n, bottom=bottom_full, color="none", edgecolor=COLORS[cat], lw=1)
+            ax.bar(range(n), [held[cat]] * n, bottom=bottom_full, color=COLORS[cat],
+                   label=cat if stage == 0 else None)
+            bottom_full += full[cat]
+        ax.set_xticks(range(n), [f"rank {r}" for r in range(n)], fontsize=7)
+        name = ["stage 0 (DDP)", "stage 1: P_os", "stage 2: P_os+g", "stage 3: P_os+g+p"][stage]
+        ax.set_title(f"{name}\n{sum(held.values()):.2f} x Psi bytes per rank", fontsize=9)
+    axes[0].set_ylabel("bytes per parameter (Psi = parameters)")
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=8)
+    fig.suptitle(f"{title} (N = {n}, fp32, K = {k})", fontsize=10)
+    return fig
+
+
+def model_states_vs_formula(rows, records, title="Model states per rank: measured against the ZeRO formula"):
+    """rows: dicts with 'label', measured 'params'/'grads'/'optimizer' and the formula's
+    'predicted' total (bytes). One stacked bar per row; a black tick marks the prediction."""
+    fig, (ax,) = _figure(records, width=8, height=3.8)
+    labels = [r["label"] for r in rows]
+    bottoms = [0.0] * len(rows)
+    for cat in ("params", "grads", "optimizer"):
+        values = [r[cat] / MiB for r in rows]
+        ax.bar(labels, values, bottom=bottoms, color=COLORS[cat], label=f"{cat} (measured)")
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.scatter(labels, [r["predicted"] / MiB for r in rows], marker="_", s=400, color="black", zorder=3,
+               label="ZeRO formula")
+    ax.set_ylabel("MiB per rank")
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def comm_by_strategy(rows, records, title="Bytes each rank sends per step, by collective"):
+    """rows: dicts with 'label' and ring-rule bytes per kind; the dashed line is DDP's."""
+    fig, (ax,) = _figure(records, width=8, height=3.8)
+    kinds = sorted({k for r in rows for k in r["bytes"]})
+    colors = {"all_reduce": "#4C72B0", "reduce_scatter": "#DD8452", "all_gather": "#55A868",
+              "broadcast": "#C44E52", "reduce": "#8172B3"}
+    labels = [r["label"] for r in rows]
+    bottoms = [0.0] * len(rows)
+    for kind in kinds:
+        values = [r["bytes"].get(kind, 0) / MiB for r in rows]
+        ax.bar(labels, values, bottom=bottoms, label=kind, color=colors.get(kind, "#8C8C8C"))
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ddp = next(sum(r["bytes"].values()) for r in rows if r["label"].startswith("ddp"))
+    ax.axhline(ddp / MiB, color="black", ls="--", lw=1, label="DDP")
+    ax.set_ylabel("MiB per step (ring rule)")
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    return fig
