@@ -149,6 +149,41 @@ def _sharded_memory_comm() -> list[RunConfig]:
     return runs
 
 
+def _largest_batch_records(strategy: str, world_size: int, cap_mib: int, **extra) -> list[dict]:
+    from multigpu.maxbatch import largest_batch
+
+    model, seq = ("gpt2", 512) if on_gpus(2) else ("gpt-small", 128)
+    cfg = RunConfig(strategy=strategy, world_size=world_size, model=model, seq_len=seq, optimizer="adamw",
+                    lr=1e-3, dataset="dummy", device=ddp_device() if world_size > 1 else "auto", extra=extra)
+    found = largest_batch(cfg, cap_mib * 2**20)
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and on_gpus()) else "cpu"
+    return [{"config": cfg.to_dict(), **found, "probes": {str(k): v for k, v in found["probes"].items()},
+             "provenance": records.provenance("nccl" if device == "cuda" else "gloo", world_size, device,
+                                              threads_per_process(world_size))}]
+
+
+def _largest_batch() -> list[Job]:
+    """The sources' question, "how large a batch fits?", for every strategy under one cap per
+    rank (on a CPU: the tracked peak against the cap; on GPUs: the allocator and the GPU)."""
+    n = max_world_size() if on_gpus(2) else 2
+    cap = int(torch.cuda.get_device_properties(0).total_memory // 2**20 * 0.9) if on_gpus(2) else 256
+    jobs = [Job(f"single, cap {cap} MiB", _largest_batch_records, dict(strategy="single", world_size=1, cap_mib=cap))]
+    for strategy in ("ddp", "dp", "zero1", "zero2", "zero3", "fsdp", "fsdp1", "deepspeed-zero3"):
+        jobs.append(Job(f"{strategy} x{n}, cap {cap} MiB", _largest_batch_records,
+                        dict(strategy=strategy, world_size=n, cap_mib=cap)))
+    return jobs
+
+
+def _offload() -> list[RunConfig]:
+    """DeepSpeed ZeRO-2 with and without its optimizer state offloaded to the CPU,
+    alternated (A B A B) so both see the same noise."""
+    model, per_rank, seq = ("gpt2", 4, 256) if on_gpus(2) else ("gpt-small", 2, 128)
+    base = RunConfig(strategy="deepspeed-zero2", world_size=2, model=model, global_batch_size=2 * per_rank,
+                     seq_len=seq, steps=10, optimizer="adamw", lr=1e-3, dataset="dummy", device=ddp_device())
+    offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    return [base.replace(extra={**extra, "repeat": r}) for r in range(2) for extra in ({}, offload)]
+
+
 MiB = 2**20  # bytes
 # message sizes from 4 KiB to 256 MiB; the small ones share one launch
 _SMALL = [4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024]
@@ -213,6 +248,8 @@ EXPERIMENTS = {
     "ddp_learning": _ddp_learning,
     "dp_vs_ddp": _dp_vs_ddp,
     "sharded_memory_comm": _sharded_memory_comm,
+    "largest_batch": _largest_batch,
+    "offload": _offload,
     "collectives_bandwidth": _collectives_bandwidth,
     "async_staleness": _async_staleness,
 }

@@ -39,7 +39,8 @@ def config(cfg, stage: int) -> dict:
             **cfg.extra.get("zero_optimization", {}),
         },
         "bf16": {"enabled": cfg.dtype == "bf16-mixed"},
-        "zero_allow_untested_optimizer": True,  # a plain torch optimizer, not DeepSpeed's own
+        "zero_allow_untested_optimizer": True,  # a plain torch optimizer, not DeepSpeed's own,
+        "zero_force_ds_cpu_optimizer": False,  # even when its state is offloaded to the CPU
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

@@ -1,0 +1,58 @@
+"""The largest batch that fits: found by measurement, run by run.
+
+Under a memory cap per rank, which per-rank batch is the largest whose measured peak fits?
+Every probe is a real (short) training run. On CUDA the peak is the allocator's; on a CPU,
+where nothing stops a process at a cap, it is the peak PyTorch's memory tracker saw,
+compared with the cap. Memory grows linearly with the batch, so two probes predict the
+answer and a few more confirm it: the largest batch that fits, and the next that does not.
+"""
+
+from __future__ import annotations
+
+from multigpu.config import RunConfig
+from multigpu.launch import launch
+
+
+def peak_bytes(record: dict) -> int:
+    """The highest per-rank peak of a run: the CUDA allocator's where there is one."""
+    cuda = [b for b in record["cuda_allocator_peak_bytes_by_rank"] if b is not None]
+    return max(cuda) if cuda else max(m["total"] for m in record["peak_memory_bytes_by_rank"])
+
+
+def largest_batch(cfg: RunConfig, cap_bytes: int, limit: int = 1024, progress: bool | None = False) -> dict:
+    """Largest per-rank batch (micro-batches of it, no accumulation) whose peak fits
+    `cap_bytes`; returns it with every probe (per-rank batch -> peak bytes)."""
+    n = cfg.processes if cfg.strategy != "dp" else cfg.world_size  # dp splits over its replicas
+    probes: dict[int, int] = {}
+
+    def fits(per_rank: int) -> bool:
+        if per_rank not in probes:
+            run = cfg.replace(global_batch_size=per_rank * n, grad_accum_steps=1, steps=2, track_memory=True)
+            probes[per_rank] = peak_bytes(launch(run, progress=progress))
+        return probes[per_rank] <= cap_bytes
+
+    if not fits(1):
+        return {"per_rank_batch": 0, "global_batch": 0, "probes": probes, "cap_bytes": cap_bytes}
+
+    def crossing(x0: int, x1: int) -> int:
+        """Where the line through the probes at x0 and x1 reaches the cap."""
+        slope = max((probes[x1] - probes[x0]) / (x1 - x0), 1.0)
+        return int(x0 + (cap_bytes - probes[x0]) // slope)
+
+    lo, hi, candidate = 1, None, 2  # lo fits; hi (once found) does not
+    while hi is None or hi - lo > 1:
+        if fits(candidate):
+            previous, lo = lo, candidate
+            if lo >= limit:
+                break
+            # not yet above the cap: follow the line through the last two that fit
+            candidate = min(limit, max(lo + 1, crossing(previous, lo) if hi is None else crossing(lo, hi)))
+        else:
+            hi = candidate
+            candidate = crossing(lo, hi)  # between the last fit and the first miss
+        if hi is not None:
+            candidate = min(max(candidate, lo + 1), hi - 1)
+            if hi - lo <= 1:
+                break
+    best = lo
+    return {"per_rank_batch": best, "global_batch": best * n, "probes": probes, "cap_bytes": cap_bytes}
