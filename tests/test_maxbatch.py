@@ -9,7 +9,7 @@ from multigpu.config import RunConfig
 
 
 @pytest.mark.parametrize("fixed, per_sample, cap", [(100, 15, 200), (60, 10, 200), (100, 1, 150), (10, 50, 59),
-                                                  (100, 15, 99)])
+                                                  (100, 15, 99), (100, 0, 10**6)])
 def test_search_finds_what_brute_force_finds(monkeypatch, fixed, per_sample, cap):
     """A fake run whose peak is fixed + per_sample x batch (with a kink, as real runs have
     at small batches): the search must return the largest batch that fits, in few runs."""
@@ -28,6 +28,7 @@ def test_search_finds_what_brute_force_finds(monkeypatch, fixed, per_sample, cap
     assert found["per_rank_batch"] == expected
     assert found["global_batch"] == 2 * expected
     assert len(launched) <= 8, launched
+    assert max(launched) <= 4 * max(expected, 1), launched  # never a batch far beyond the answer
 
 
 @pytest.mark.slow

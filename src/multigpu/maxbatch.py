@@ -45,8 +45,10 @@ def largest_batch(cfg: RunConfig, cap_bytes: int, limit: int = 1024, progress: b
             previous, lo = lo, candidate
             if lo >= limit:
                 break
-            # not yet above the cap: follow the line through the last two that fit
-            candidate = min(limit, max(lo + 1, crossing(previous, lo) if hi is None else crossing(lo, hi)))
+            # not yet above the cap: follow the line through the last two that fit, but
+            # never more than 4x the last fit (a flat start must not launch a huge batch)
+            step = crossing(previous, lo) if hi is None else crossing(lo, hi)
+            candidate = min(limit, 4 * lo, max(lo + 1, step))
         else:
             hi = candidate
             candidate = crossing(lo, hi)  # between the last fit and the first miss
