@@ -10,7 +10,7 @@ answer and a few more confirm it: the largest batch that fits, and the next that
 from __future__ import annotations
 
 from multigpu.config import RunConfig
-from multigpu.launch import launch
+from multigpu.launch import LaunchError, launch
 
 
 def peak_bytes(record: dict) -> int:
@@ -22,13 +22,18 @@ def peak_bytes(record: dict) -> int:
 def largest_batch(cfg: RunConfig, cap_bytes: int, limit: int = 1024, progress: bool | None = False) -> dict:
     """Largest per-rank batch (micro-batches of it, no accumulation) whose peak fits
     `cap_bytes`; returns it with every probe (per-rank batch -> peak bytes)."""
-    n = cfg.processes if cfg.strategy != "dp" else cfg.world_size  # dp splits over its replicas
+    n = cfg.world_size  # the batch splits over processes, or over dp's replicas
     probes: dict[int, int] = {}
 
     def fits(per_rank: int) -> bool:
         if per_rank not in probes:
             run = cfg.replace(global_batch_size=per_rank * n, grad_accum_steps=1, steps=2, track_memory=True)
-            probes[per_rank] = peak_bytes(launch(run, progress=progress))
+            try:
+                probes[per_rank] = peak_bytes(launch(run, progress=progress))
+            except LaunchError as err:  # a run the device cannot hold at all does not fit either
+                if "out of memory" not in str(err).lower():
+                    raise
+                probes[per_rank] = float("inf")
         return probes[per_rank] <= cap_bytes
 
     if not fits(1):

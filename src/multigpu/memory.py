@@ -118,23 +118,27 @@ def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     params = [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
     held = [_local(p) for p in params] + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]
     grads = [_local(p.grad) for p in params if p.grad is not None]
-    state = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    state = list(_state_tensors(optimizer))
     seen, out = set(), {}
     for name, tensors in (("params", held), ("grads", grads), ("optimizer", state)):
         out[name] = 0
         for t in tensors:
             storage = _local(t).untyped_storage()
-            if storage.data_ptr() not in seen and storage.nbytes() > 0:
-                seen.add(storage.data_ptr())
+            key = (storage.device, storage.data_ptr())
+            if key not in seen and storage.nbytes() > 0:
+                seen.add(key)
                 out[name] += storage.nbytes()
     return out
 
 
+def _state_tensors(optimizer):
+    """The optimizer's state tensors (not its scalar step counters)."""
+    return (v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return tensor_bytes(
-        v for state in optimizer.state.values() for v in state.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0
-    )
+    return tensor_bytes(_state_tensors(optimizer))
 
 
 # bytes per parameter of each model state, as the ZeRO paper counts them

@@ -34,7 +34,11 @@ class FlatShards:
     """`params` end to end in `self.full` (N equal shards); `self.shard` is rank r's piece."""
 
     def __init__(self, params: list[nn.Parameter], rank: int, world_size: int, sharded_storage: bool):
+        if not params:
+            raise ValueError("a flat group needs at least one parameter")
         self.params, self.world_size = params, world_size
+        # stage 3's bookkeeping: gathered for backward, how many gradients have arrived
+        self.in_backward, self.awaiting_backward, self.grads_ready = False, False, 0
         self.numels = [p.numel() for p in params]
         self.starts = [sum(self.numels[:i]) for i in range(len(params))]
         total = sum(self.numels)
@@ -75,8 +79,9 @@ class FlatShards:
         `shard_grad`; drop the full gradients."""
         flat = torch.zeros_like(self.full)
         for p, start, n in zip(self.params, self.starts, self.numels):
-            flat[start:start + n].copy_(p.grad.view(-1))
-            p.grad = None
+            if p.grad is not None:  # a parameter this batch did not use adds nothing
+                flat[start:start + n].copy_(p.grad.reshape(-1))
+                p.grad = None
         mine = torch.empty_like(self.shard_grad)
         dist.reduce_scatter_single(mine, flat)
         self.shard_grad += mine
@@ -95,8 +100,11 @@ class Zero:
         else:
             self.groups = self._units(model, rt)
         self.optimizer = build_optimizer([g.shard for g in self.groups], cfg)
-        if stage == 1:  # gradients accumulate into one flat buffer, reduce-scattered once
-            self.flat_grad = torch.zeros_like(self.groups[0].full)
+        if stage == 1:  # gradients accumulate into one flat buffer, reduce-scattered once;
+            # this rank's shard of their sum goes back into its own window of it
+            group = self.groups[0]
+            self.flat_grad = torch.zeros_like(group.full)
+            group.shard_grad = self.flat_grad[group.lo:group.hi]
             self._point_grads_at_flat_buffer()
         if stage == 2:
             group = self.groups[0]
@@ -114,7 +122,7 @@ class Zero:
         """Backward just finished p's gradient: each piece goes to the rank owning it."""
         rank = dist.get_rank()
         for owner, start, end in group.owners(i):
-            piece = p.grad.view(-1)[start:end]
+            piece = p.grad.reshape(-1)[start:end]
             dist.reduce(piece, dst=owner)
             if owner == rank:
                 offset = group.starts[i] + start - group.lo
@@ -127,13 +135,15 @@ class Zero:
         backward; one for the rest (embeddings, final norm, head), gathered for the step."""
         blocks = [m for m in model.modules() if isinstance(m, transformer_block_types(model))]
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        if len(in_blocks) != sum(len(list(b.parameters())) for b in blocks):
+            raise ValueError("zero3 needs each parameter in one block only (a weight shared by two blocks "
+                             "would be flattened twice)")
         rest = [p for p in model.parameters() if id(p) not in in_blocks]
         self.root = FlatShards(rest, rt.rank, rt.world_size, sharded_storage=True)
         model.register_forward_pre_hook(lambda m, args: self.root.gather())
         units = [self.root]
         for block in blocks:
             unit = FlatShards(list(block.parameters()), rt.rank, rt.world_size, sharded_storage=True)
-            unit.in_backward, unit.awaiting_backward, unit.grads_ready = False, False, 0
             block.register_forward_pre_hook(lambda m, args, u=unit: u.gather())
             block.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
             for p in unit.params:
@@ -161,10 +171,13 @@ class Zero:
 
     def _after_grad(self, unit: FlatShards) -> None:
         unit.grads_ready += 1
-        if unit.grads_ready == len(unit.params):  # the block's backward is done
-            unit.reduce_scatter_grads()
-            unit.free()
-            unit.in_backward, unit.awaiting_backward, unit.grads_ready = False, False, 0
+        if unit.grads_ready == sum(p.requires_grad for p in unit.params):  # the block's backward is done
+            self._finish_unit(unit)
+
+    def _finish_unit(self, unit: FlatShards) -> None:
+        unit.reduce_scatter_grads()
+        unit.free()
+        unit.in_backward, unit.awaiting_backward, unit.grads_ready = False, False, 0
 
     # -- the loop's steps ------------------------------------------------------------------
     def finish_backward(self) -> None:
@@ -172,21 +185,25 @@ class Zero:
             group = self.groups[0]
             mine = torch.empty_like(group.shard_grad)
             dist.reduce_scatter_single(mine, self.flat_grad)
-            group.shard_grad = self.flat_grad[group.lo:group.hi]
             group.shard_grad.copy_(mine)
-        if self.stage == 3:  # the rest of the model: its gradients are complete now
-            self.root.reduce_scatter_grads()
-            self.root.free()
+        if self.stage == 3:
+            # the rest of the model, and any block some of whose parameters this batch did
+            # not reach: their gradients are complete now (every rank runs the same model,
+            # so every rank makes the same calls)
+            for unit in self.groups:
+                if unit is self.root or unit.grads_ready:
+                    self._finish_unit(unit)
         for g in self.groups:
             g.shard.grad = g.shard_grad.div_(self.world_size)  # the mean over ranks, as DDP's
 
     def step(self) -> None:
         self.optimizer.step()
-        for g in self.groups[1:] if self.stage == 3 else ():  # no stale copy may survive the update
-            g.free()
         if self.stage < 3:  # everyone needs the whole updated model for the next forward
             group = self.groups[0]
             dist.all_gather_single(group.full.data, group.shard.detach().clone())
+        else:  # a block a late gradient gathered again must not keep its old weights
+            for unit in self.groups:
+                unit.free()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
