@@ -104,6 +104,17 @@ def test_matches_single_device_other_models_and_options(strategy, overrides):
     assert_parity(result, strategy, 2)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1"])
+def test_mixed_precision_fsdp_stays_close_to_single(strategy):
+    """bf16 compute with fp32 reduction (MixedPrecisionPolicy / MixedPrecision) against one
+    process under bf16 autocast: the same arithmetic up to bf16 rounding, so 1e-3, not 1e-5."""
+    result = check(strategy, 2, steps=STEPS, tolerance=1e-3, dtype="bf16-mixed", progress=False)
+    assert result["passed"], result
+    assert result["reference_loss"][-1] < result["reference_loss"][0]
+
+
 def _trained_params(tmp_path, name: str, **changes) -> dict[str, torch.Tensor]:
     # the same settings `check` uses for its runs
     cfg = RunConfig(strategy="single", model="gpt-tiny", global_batch_size=8, steps=STEPS,

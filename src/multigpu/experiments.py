@@ -174,6 +174,15 @@ def _largest_batch() -> list[Job]:
     return jobs
 
 
+def _fsdp_precision() -> list[RunConfig]:
+    """FSDP2 in fp32 and with a bf16 MixedPrecisionPolicy (fp32 gradient reduction),
+    alternated (A B A B): memory, bytes gathered and step time."""
+    model, per_rank, seq = ("gpt2", 4, 256) if on_gpus(2) else ("gpt-small", 2, 128)
+    base = RunConfig(strategy="fsdp", world_size=2, model=model, global_batch_size=2 * per_rank, seq_len=seq,
+                     steps=10, optimizer="adamw", lr=1e-3, dataset="dummy", device=ddp_device())
+    return [base.replace(dtype=d, extra={"repeat": r}) for r in range(2) for d in ("fp32", "bf16-mixed")]
+
+
 def _offload() -> list[RunConfig]:
     """DeepSpeed ZeRO-2 with and without its optimizer state offloaded to the CPU,
     alternated (A B A B) so both see the same noise."""
@@ -250,6 +259,7 @@ EXPERIMENTS = {
     "sharded_memory_comm": _sharded_memory_comm,
     "largest_batch": _largest_batch,
     "offload": _offload,
+    "fsdp_precision": _fsdp_precision,
     "collectives_bandwidth": _collectives_bandwidth,
     "async_staleness": _async_staleness,
 }
