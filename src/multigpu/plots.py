@@ -178,6 +178,12 @@ def collective_grid(rows_by_rank, title="Each collective on 4 processes: what ev
                     ax.text(0.05, rank + 0.5, "(undefined)", va="center", fontsize=7.5, color="#777777")
             ax.set_title(f"{name}: {when}" if j == 0 else when, fontsize=9, loc="left")
     fig.suptitle(title, fontsize=10)
+    import torch
+
+    from multigpu.records import cpu_name
+
+    fig.text(0.5, -0.01, f"Run live while this page was built: {n} gloo processes on {cpu_name()}, "
+             f"torch {torch.__version__}.", ha="center", va="top", fontsize=7.5, color="#555555")
     return fig
 
 

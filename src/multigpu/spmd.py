@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import pickle
 import shutil
 import sys
@@ -60,29 +59,22 @@ def run_spmd(target: str, world_size: int, *, timeout_s: float = 600, threads: i
 
 
 def main(argv=None) -> int:
-    from multigpu.worker import write_error
+    from multigpu.worker import run_worker, write_atomic
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("target")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK", 0))
-    try:
+
+    def body(rank: int) -> None:
         module, _, name = args.target.partition(":")
         fn = getattr(importlib.import_module(module), name)
         kwargs = pickle.loads((args.out / "kwargs.pkl").read_bytes())
         runtime.init("cpu")
-        result = fn(**kwargs)
-        tmp = args.out / f"result-rank{rank}.pkl.tmp"
-        tmp.write_bytes(pickle.dumps(result))
-        os.replace(tmp, args.out / f"result-rank{rank}.pkl")
+        write_atomic(args.out / f"result-rank{rank}.pkl", pickle.dumps(fn(**kwargs)))
         dist.barrier()
-        return 0
-    except BaseException as err:
-        write_error(args.out, rank, err)
-        raise
-    finally:
-        runtime.teardown()
+
+    return run_worker(args.out, body)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,6 +72,27 @@ def write_error(out: Path, rank: int, err: BaseException) -> None:
     (out / f"error-rank{rank}.txt").write_text(summary + "\n" + traceback.format_exc())
 
 
+def run_worker(out: Path, body: Callable[[int], None]) -> int:
+    """The frame of every torchrun worker: body(rank); on failure its traceback goes to
+    out/error-rank<R>.txt for the launcher; the process group is always torn down."""
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        body(rank)
+        return 0
+    except BaseException as err:
+        write_error(out, rank, err)
+        raise
+    finally:
+        runtime.teardown()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write aside, then rename: the launcher never reads half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, type=Path)
@@ -78,8 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--save-params", action="store_true", help="rank 0 writes params.pt")
     args = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK", 0))
-    try:
+
+    def body(rank: int) -> None:
         from multigpu.train import train
 
         cfg = RunConfig.from_dict(json.loads(args.config.read_text()))
@@ -91,17 +113,10 @@ def main(argv=None) -> int:
         if rt.is_main:
             if args.save_params:
                 torch.save(state_dict, args.out / "params.pt")
-            record = build_record(cfg, rt, gathered)
-            tmp = args.out / "record.json.tmp"
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, args.out / "record.json")
+            write_atomic(args.out / "record.json", json.dumps(build_record(cfg, rt, gathered)).encode())
         dist.barrier()
-        return 0
-    except BaseException as err:
-        write_error(args.out, rank, err)
-        raise
-    finally:
-        runtime.teardown()
+
+    return run_worker(args.out, body)
 
 
 if __name__ == "__main__":
