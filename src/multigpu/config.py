@@ -67,7 +67,7 @@ class RunConfig:
     dataset_size: int | None = None  # None: enough samples for `steps` steps
     seed: int = 0
     device: str = "auto"
-    bucket_cap_mb: float = 25.0  # DDP and ddp-scratch gradient buckets
+    bucket_cap_mb: float = 25.0  # gradient buckets: DDP, ddp-scratch, zero2, DeepSpeed
     threads_per_worker: int | None = None  # None: the machine's cores split evenly
     track_memory: bool = True  # per-category peak memory from MemTracker (steps 0-1)
     fault: str | None = None  # testing only: "raise@RANK:STEP" or "kill@RANK:STEP"

@@ -385,3 +385,49 @@ def comm_by_strategy(rows, records, title="Bytes each rank sends per step, by co
     ax.set_title(title)
     ax.legend(fontsize=7)
     return fig
+
+
+def zero_timeline(ranks: list[dict]):
+    """An animation of one ZeRO step (multigpu.traces.zero_holdings, every rank's trace of one
+    stage): for each rank, the model laid end to end, coloured where the rank holds its
+    parameters, gradients and optimizer state after each event. Returns a matplotlib
+    FuncAnimation (the figure is closed; show it with `HTML(anim.to_jshtml())`)."""
+    from matplotlib.animation import FuncAnimation
+
+    from multigpu.traces import held_bytes, union
+
+    style()
+    first, n = ranks[0], len(ranks)
+    frames, length, per_element = first["frames"], first["length"], first["bytes_per_element"]
+    lanes = ["params", "grads", "optimizer"]
+    fig, axes = plt.subplots(n, 1, figsize=(9, 0.75 * n + 1.6), sharex=True)
+    full_bytes = sum(per_element.values()) * length  # what every DDP rank holds
+
+    def draw(k: int):
+        for rank, ax in enumerate(axes):
+            ax.clear()
+            held = ranks[rank]["frames"][k]
+            for y, cat in enumerate(reversed(lanes)):
+                ax.broken_barh([(0, length)], (y - 0.4, 0.8), color="#EEEEEE")
+                ax.broken_barh([(a, b - a) for a, b in union(held[cat])], (y - 0.4, 0.8), color=COLORS[cat])
+            total = sum(held_bytes(ranks[rank], k).values())
+            for name, start, end in first["units"]:
+                ax.axvline(start, color="white", lw=1.5)
+                if rank == 0 and end - start > 0.05 * length:
+                    ax.text((start + end) / 2, 2.75, name, ha="center", va="bottom", fontsize=7)
+            ax.set_yticks(range(3), list(reversed(lanes)), fontsize=7)
+            ax.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center", fontsize=8, labelpad=42)
+            ax.text(1.01, 0.5, f"{total / full_bytes:.0%} of\nDDP's bytes", transform=ax.transAxes,
+                    fontsize=7, va="center")
+            ax.set_xlim(0, length)
+            ax.set_ylim(-0.5, 3.3 if rank == 0 else 2.5)
+            ax.grid(False)
+        axes[-1].set_xlabel("the model's parameters, end to end (flat buffers, padding included)")
+        fig.suptitle(f"ZeRO stage {first['stage']} ({first['model']}, {n} ranks), event {k + 1}/{len(frames)}: "
+                     f"{frames[k]['event']}", fontsize=9)
+
+    fig.subplots_adjust(left=0.17, right=0.88, top=0.88, bottom=0.1, hspace=0.25)
+    animation = FuncAnimation(fig, draw, frames=len(frames), interval=1200)
+    plt.close(fig)
+    return animation
+

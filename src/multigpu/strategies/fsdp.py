@@ -48,32 +48,3 @@ def prepare(model, cfg, rt) -> Parallelized:
     return Parallelized(module=model, optimizer=optimizer, model=model, no_sync=no_sync,
                         gather_state_dict=gather_state_dict)
 
-
-def trace_one_step(model_name: str = "gpt-tiny", reshard_after_forward: bool = True) -> list[dict]:
-    """Run under `run_spmd`: one FSDP2 training step, returning every collective in the
-    order issued, with the phase it came in (forward, backward, optimizer step)."""
-    import torch.distributed as dist
-
-    from multigpu.comm import CommCounter
-    from multigpu.config import RunConfig
-    from multigpu.models import build_model, compute_loss, vocab_size
-    from multigpu.runtime import Runtime
-
-    rt = Runtime(dist.get_rank(), dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "gloo")
-    model = build_model(model_name, seed=0)
-    cfg = RunConfig(strategy="fsdp", world_size=rt.world_size, model=model_name,
-                    extra={"reshard_after_forward": reshard_after_forward})
-    par = prepare(model, cfg, rt)
-    ids = torch.randint(vocab_size(model_name), (2, 16), generator=torch.Generator().manual_seed(rt.rank))
-    events = []
-
-    def traced(phase, work):
-        with CommCounter(rt.world_size) as comm:
-            out = work()
-        events.extend({"phase": phase, "collective": kind, "payload_bytes": b} for kind, b in comm.log)
-        return out
-
-    loss = traced("forward", lambda: compute_loss(par.module, {"input_ids": ids, "labels": ids}))
-    traced("backward", loss.backward)
-    traced("optimizer step", par.optimizer.step)
-    return events

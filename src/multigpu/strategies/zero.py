@@ -7,8 +7,9 @@ one per rank, and communicates to make up for what a rank no longer holds:
 - stage 1 (P_os): rank r keeps the optimizer state of shard r only. After backward the
   gradients are reduce-scattered (rank r receives the sum for shard r), rank r updates shard
   r, and the updated shards are all-gathered so that every rank has the whole model again.
-- stage 2 (P_os+g): as stage 1, and each gradient is sent to the rank that owns it as soon
-  as backward produces it, then dropped: rank r keeps only shard r's gradients.
+- stage 2 (P_os+g): as stage 1, but gradients leave as backward produces them: each goes
+  into a bucket and is dropped, and a full bucket's pieces are reduced to the ranks that
+  own them: rank r keeps only shard r's gradients, plus the bucket being filled.
 - stage 3 (P_os+g+p): parameters are sharded too. A unit (one transformer block, or the
   rest of the model) is all-gathered just before its forward and freed after it, gathered
   again just before its backward, and its gradients are reduce-scattered and freed after.
@@ -21,6 +22,7 @@ the same size S. The model's parameters become views into that buffer.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,13 +58,11 @@ class FlatShards:
             self.shard = nn.Parameter(self.full[self.lo:self.hi])
         self.shard_grad = torch.zeros_like(self.shard)  # the sum of this shard's gradients
 
-    def owners(self, i: int):
-        """(rank, start, end) for every rank whose shard holds part of parameter i; start
-        and end are offsets into that parameter."""
-        start, n = self.starts[i], self.numels[i]
-        for rank in range(start // self.size, (start + n - 1) // self.size + 1):
-            lo, hi = max(start, rank * self.size), min(start + n, (rank + 1) * self.size)
-            yield rank, lo - start, hi - start
+    def owners(self, start: int, end: int):
+        """(rank, lo, hi) for every rank whose shard holds part of the flat range
+        [start, end): that part is [lo, hi)."""
+        for rank in range(start // self.size, (end - 1) // self.size + 1):
+            yield rank, max(start, rank * self.size), min(end, (rank + 1) * self.size)
 
     def gather(self) -> None:
         """All-gather the shards into the full buffer (stage 3). Written through `.data`, so
@@ -106,10 +106,12 @@ class Zero:
             self.flat_grad = torch.zeros_like(group.full)
             group.shard_grad = self.flat_grad[group.lo:group.hi]
             self._point_grads_at_flat_buffer()
-        if stage == 2:
-            group = self.groups[0]
-            for i, p in enumerate(group.params):
-                p.register_post_accumulate_grad_hook(lambda p, i=i: self._send_to_owners(group, i, p))
+        if stage == 2:  # gradients leave in buckets, filled in the order backward produces them
+            self.buckets = _buckets(self.groups[0], cfg.bucket_cap_mb)
+            for bucket in self.buckets:
+                for i in bucket.indices:
+                    self.groups[0].params[i].register_post_accumulate_grad_hook(
+                        lambda p, i=i, b=bucket: self._grad_ready(b, i, p))
 
     # -- stage 1 ------------------------------------------------------------------------
     def _point_grads_at_flat_buffer(self) -> None:
@@ -118,16 +120,28 @@ class Zero:
             p.grad = self.flat_grad[start:start + n].view_as(p)  # backward adds into these
 
     # -- stage 2 ------------------------------------------------------------------------
-    def _send_to_owners(self, group: FlatShards, i: int, p: nn.Parameter) -> None:
-        """Backward just finished p's gradient: each piece goes to the rank owning it."""
-        rank = dist.get_rank()
-        for owner, start, end in group.owners(i):
-            piece = p.grad.reshape(-1)[start:end]
+    def _grad_ready(self, bucket: Bucket, i: int, p: nn.Parameter) -> None:
+        """Backward just finished p's gradient: copy it into its bucket and drop it; a full
+        bucket goes to the owners."""
+        group = self.groups[0]
+        if bucket.flat is None:  # the bucket's buffer lives only while it fills
+            bucket.flat = torch.zeros(bucket.end - bucket.start, dtype=p.dtype, device=p.device)
+        offset = group.starts[i] - bucket.start
+        bucket.flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None  # this rank keeps no other gradient
+        bucket.ready += 1
+        if bucket.ready == len(bucket.indices):
+            self._send_to_owners(bucket)
+
+    def _send_to_owners(self, bucket: Bucket) -> None:
+        """Each piece of the bucket to the rank that owns it, summed over ranks."""
+        group, rank = self.groups[0], dist.get_rank()
+        for owner, lo, hi in group.owners(bucket.start, bucket.end):
+            piece = bucket.flat[lo - bucket.start:hi - bucket.start]
             dist.reduce(piece, dst=owner)
             if owner == rank:
-                offset = group.starts[i] + start - group.lo
-                group.shard_grad[offset:offset + end - start] += piece
-        p.grad = None  # this rank keeps no other gradient
+                group.shard_grad[lo - group.lo:hi - group.lo] += piece
+        bucket.flat, bucket.ready = None, 0
 
     # -- stage 3 ------------------------------------------------------------------------
     def _units(self, model: nn.Module, rt) -> list[FlatShards]:
@@ -186,6 +200,10 @@ class Zero:
             mine = torch.empty_like(group.shard_grad)
             dist.reduce_scatter_single(mine, self.flat_grad)
             group.shard_grad.copy_(mine)
+        if self.stage == 2:  # a bucket holding a parameter this batch did not use
+            for bucket in self.buckets:
+                if bucket.ready:
+                    self._send_to_owners(bucket)
         if self.stage == 3:
             # the rest of the model, and any block some of whose parameters this batch did
             # not reach: their gradients are complete now (every rank runs the same model,
@@ -221,6 +239,32 @@ class Zero:
             for g in self.groups:
                 g.free()
         return state
+
+
+@dataclass
+class Bucket:
+    """Consecutive parameters [indices] of a flat group, elements [start, end) of it."""
+    indices: list[int]
+    start: int
+    end: int
+    ready: int = 0  # gradients arrived so far this backward
+    flat: torch.Tensor | None = None
+
+
+def _buckets(group: FlatShards, cap_mb: float) -> list[Bucket]:
+    """Last parameters first (backward's order), each bucket a contiguous range of the flat
+    group holding up to `cap_mb` of gradients, and at most one shard's worth: then the
+    gradients a rank holds never exceed two shards (its own, and the bucket filling)."""
+    cap = min(cap_mb * 2**20 / group.full.element_size(), group.size)
+    buckets: list[Bucket] = []
+    for i in reversed(range(len(group.params))):
+        start, end = group.starts[i], group.starts[i] + group.numels[i]
+        if buckets and buckets[-1].end - start <= cap:
+            buckets[-1].indices.append(i)
+            buckets[-1].start = start
+        else:
+            buckets.append(Bucket([i], start, end))
+    return buckets
 
 
 def prepare(model, cfg, rt) -> Parallelized:
