@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from multigpu.check import check
-from multigpu.config import RunConfig
+from multigpu.config import SHARDED, RunConfig
 from multigpu.launch import launch
 
 TOLERANCE = 1e-5
@@ -34,8 +34,6 @@ def assert_parity(result: dict, strategy: str, world_size: int) -> None:
 # DeepSpeed's stage 3 keeps parameters under 100,000 elements whole on every rank, which is
 # every parameter of the test models: make it shard them all, or the test shards nothing
 SHARD_EVERYTHING = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
-SHARDED = ["zero1", "zero2", "zero3", "zero1-torch", "fsdp", "fsdp1",
-           "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
 
 
 @pytest.mark.slow

@@ -91,9 +91,10 @@ class CommCounter(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional"):
             kind = OP_KINDS.get(func._opname)
             if kind is not None:
+                payload = _payload_bytes(func, args)
                 self.calls[kind] += 1
-                self.payload_bytes[kind] += _payload_bytes(func, args)
-                self.log.append((kind, _payload_bytes(func, args)))
+                self.payload_bytes[kind] += payload
+                self.log.append((kind, payload))
         return func(*args, **(kwargs or {}))
 
     @property

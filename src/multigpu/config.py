@@ -26,6 +26,13 @@ STRATEGIES = {
     "deepspeed-zero2": "DeepSpeed ZeRO stage 2",
     "deepspeed-zero3": "DeepSpeed ZeRO stage 3",
 }
+# what each strategy shards of the model states, as a ZeRO stage: 1 the optimizer state,
+# 2 also the gradients, 3 also the parameters (FSDP, however it reshards)
+ZERO_STAGE = {"single": 0, "ddp": 0, "ddp-scratch": 0, "dp": 0,
+              "zero1": 1, "zero1-torch": 1, "deepspeed-zero1": 1,
+              "zero2": 2, "deepspeed-zero2": 2,
+              "zero3": 3, "deepspeed-zero3": 3, "fsdp": 3, "fsdp1": 3}
+SHARDED = [s for s in STRATEGIES if ZERO_STAGE[s] > 0]
 # strategies that run every replica as a thread of one process, not one process each
 ONE_PROCESS = ("single", "dp")
 DTYPES = ("fp32", "bf16-mixed")

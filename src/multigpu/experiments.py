@@ -22,7 +22,7 @@ import torch
 
 from multigpu import records
 from multigpu.comm import sent_bytes
-from multigpu.config import RunConfig
+from multigpu.config import SHARDED, RunConfig
 from multigpu.launch import launch, threads_per_process
 
 
@@ -128,10 +128,6 @@ def _dp_vs_ddp() -> list[RunConfig]:
     return runs
 
 
-SHARDED = ["ddp", "zero1", "zero2", "zero3", "zero1-torch", "fsdp", "fsdp1",
-           "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
-
-
 def _sharded_memory_comm() -> list[RunConfig]:
     """Every sharding strategy against DDP: memory by category, bytes sent and step time,
     same model, same per-rank batch, world sizes 2 and 4 (or 2 and every GPU)."""
@@ -140,7 +136,7 @@ def _sharded_memory_comm() -> list[RunConfig]:
                      device=ddp_device())
     runs = [base.replace(global_batch_size=per_rank)]
     for n in sorted({2, max_world_size()}) if on_gpus(2) else (2, 4):
-        for strategy in SHARDED:
+        for strategy in ["ddp", *SHARDED]:
             runs.append(base.replace(strategy=strategy, world_size=n, global_batch_size=per_rank * n))
         runs.append(base.replace(strategy="fsdp", world_size=n, global_batch_size=per_rank * n,
                                  extra={"reshard_after_forward": False}))
