@@ -3,6 +3,7 @@
     python -m multigpu run --strategy ddp --world-size 2 --model gpt-tiny --steps 20 [--json]
     python -m multigpu check --strategy ddp-scratch --world-size 4 [--json]
     python -m multigpu figures [--experiments NAME ...]
+    python -m multigpu estimate --model t5-large --strategy fsdp --world-size 4 --gpu-memory 32GiB --max-batch
 """
 
 from __future__ import annotations
@@ -103,6 +104,63 @@ def cmd_check(args) -> int:
     return 0 if result["passed"] else 1
 
 
+def cmd_estimate(args) -> int:
+    import time
+
+    from multigpu.estimate import GPUS, Setup, estimate, largest_batch, parse_bytes
+
+    start = time.perf_counter()
+    if args.gpu is not None and args.gpu not in GPUS:
+        raise ConfigError(f"unknown --gpu {args.gpu!r}; choose one of: {', '.join(GPUS)} (or give --gpu-memory)")
+    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else GPUS.get(args.gpu)
+    if args.max_batch and memory is None:
+        raise ConfigError("--max-batch needs the memory of one device: --gpu-memory 32GiB or --gpu a100-80gb")
+    if args.max_batch and args.batch_size is not None:
+        raise ConfigError("give either --batch-size or --max-batch, not both")
+    context = parse_bytes(args.cuda_context) if args.gpu is not None else 0
+    setup = Setup(model=args.model, strategy=args.strategy, world_size=args.world_size, seq_len=args.seq_len,
+                  target_len=args.target_len, dtype=args.dtype, optimizer=args.optimizer,
+                  activation_checkpointing=args.activation_checkpointing, grad_accum_steps=args.grad_accum_steps,
+                  reshard_after_forward=args.reshard_after_forward == "true",
+                  offload_optimizer=args.offload_optimizer, cuda_context_bytes=context)
+    if args.max_batch:
+        found = largest_batch(setup, memory)
+        result = found or estimate(setup, setup.world_size * setup.grad_accum_steps)
+        max_batch = found.global_batch if found else 0
+    else:
+        result, max_batch = estimate(setup, args.batch_size), None
+    total = result.per_rank_bytes["total"]
+    out = {**result.as_dict(), "fits": None if memory is None else total <= memory, "memory_bytes": memory,
+           "seconds": round(time.perf_counter() - start, 3)}
+    if args.max_batch:
+        out["max_batch_size"] = max_batch
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    target = f", target {setup.target_len}" if setup.target_len else ""
+    print(f"{setup.model} with {setup.strategy} on {setup.world_size} rank(s), {setup.dtype}, {setup.optimizer}, "
+          f"sequence {setup.seq_len}{target}" + (f", {_gib(memory)} per device" if memory else ""))
+    if args.max_batch:
+        print(f"  largest global batch that fits: {max_batch}"
+              + (f" ({result.per_rank_batch} per rank per micro-batch)" if max_batch else " (not even one sample)"))
+    elif result.global_batch is not None:
+        print(f"  global batch {result.global_batch} ({result.per_rank_batch} per rank per micro-batch)")
+    print(f"  per rank, at the peak ({result.phase}):")
+    for k, v in result.per_rank_bytes.items():
+        print(f"    {k:<12}{_gib(v):>12}")
+    if context:
+        print(f"  'other' includes {_gib(context)} assumed for the CUDA context (--cuda-context to change)")
+    if memory is not None:
+        print(f"  fits: {'yes' if out['fits'] else 'no'} ({total / memory:.0%} of {_gib(memory)})")
+    print(f"  method: {result.method}")
+    print(f"  answered in {out['seconds']:.1f} s")
+    return 0
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
 def cmd_figures(args) -> int:
     from multigpu.experiments import run_experiments
 
@@ -124,6 +182,28 @@ def main(argv=None) -> int:
     chk.set_defaults(steps=3, optimizer="sgd-momentum", lr=0.05)
     chk.add_argument("--tolerance", type=float, default=1e-5)
     chk.set_defaults(func=cmd_check)
+    est = sub.add_parser("estimate", help="memory per rank, and the largest batch, before running anything")
+    est.add_argument("--model", required=True, help="a preset (t5-large, gpt2, ...), a Hugging Face config.json "
+                     "(t5 or gpt2), or params:<count> for model states only")
+    est.add_argument("--strategy", default="ddp", help="single, dp, ddp, zero1, zero2, zero3 or fsdp")
+    est.add_argument("--world-size", type=int, default=1, help="GPUs (ranks)")
+    est.add_argument("--dtype", default="fp32", help="fp32 or bf16-mixed")
+    est.add_argument("--optimizer", default="adamw", help="sgd, sgd-momentum or adamw")
+    est.add_argument("--seq-len", type=int, default=256, help="tokens per sample (the encoder's, for T5)")
+    est.add_argument("--target-len", type=int, default=None, help="the decoder's tokens (T5; default: --seq-len)")
+    est.add_argument("--gpu-memory", default=None, help="memory of one device, e.g. 32GiB or 80GB")
+    est.add_argument("--gpu", default=None, help="a named GPU for its memory, e.g. v100-32gb, a100-80gb, h100-80gb")
+    est.add_argument("--cuda-context", default="500MiB",
+                     help="assumed CUDA context per GPU when --gpu is given (default 500MiB)")
+    est.add_argument("--batch-size", type=int, default=None, help="global batch: all ranks together")
+    est.add_argument("--max-batch", action="store_true", help="find the largest global batch that fits")
+    est.add_argument("--grad-accum-steps", type=int, default=1)
+    est.add_argument("--activation-checkpointing", action="store_true")
+    est.add_argument("--reshard-after-forward", choices=("true", "false"), default="true", help="fsdp only")
+    est.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer state in host memory")
+    est.add_argument("--json", action="store_true", help="print one JSON object")
+    est.set_defaults(func=cmd_estimate)
+
     fig = sub.add_parser("figures", help="run the experiments behind the book's figures")
     fig.add_argument("--experiments", nargs="*", default=None, help="names (default: all)")
     fig.set_defaults(func=cmd_figures)

@@ -174,3 +174,213 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, dty
     per_sample = saved[2] - saved[1]
     logits = (target_len if family == "t5" else seq_len) * shape.vocab_size * 4
     return ActivationCost(fixed=saved[1] - per_sample, per_sample=per_sample, logits_per_sample=logits)
+
+
+# -- the peak of one training step, per rank ---------------------------------------------------
+
+ESTIMATED = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+BYTES = 4  # the package keeps fp32 parameters and gradients; bf16-mixed is autocast on top
+GPUS = {  # name -> memory in bytes (the vendors' data sheets)
+    "v100-16gb": 16 * 2**30, "v100-32gb": 32 * 2**30, "a10-24gb": 24 * 2**30, "a100-40gb": 40 * 2**30,
+    "a100-80gb": 80 * 2**30, "l4-24gb": 24 * 2**30, "l40s-48gb": 48 * 2**30, "h100-80gb": 80 * 2**30,
+    "h200-141gb": 141 * 2**30, "rtx4090-24gb": 24 * 2**30,
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One question: this model, this strategy, this many ranks, this batch."""
+
+    model: str
+    strategy: str = "ddp"
+    world_size: int = 1
+    seq_len: int = 256
+    target_len: int | None = None  # encoder-decoder: the decoder's length (default: seq_len)
+    dtype: str = "fp32"
+    optimizer: str = "adamw"
+    activation_checkpointing: bool = False
+    grad_accum_steps: int = 1
+    reshard_after_forward: bool = True  # fsdp: False keeps the gathered units from forward to backward
+    offload_optimizer: bool = False  # ZeRO-Offload: the optimizer state and step live in host memory
+    bucket_cap_mb: float = 25.0
+    cuda_context_bytes: int = 0  # what the CUDA context takes on each GPU (0 on CPU)
+
+
+@dataclass
+class Estimate:
+    setup: Setup
+    global_batch: int | None
+    per_rank_batch: int | None  # samples per rank per micro-batch (dp: per replica)
+    per_rank_bytes: dict  # CATEGORIES and "total", at the estimated peak
+    phase: str  # where the peak falls: "forward" (end of forward), "backward" or "model states only"
+    method: str
+
+    def as_dict(self) -> dict:
+        return {"setup": asdict(self.setup), "global_batch": self.global_batch, "batch_size": self.global_batch,
+                "per_rank_batch": self.per_rank_batch, "per_rank_bytes": self.per_rank_bytes,
+                "phase": self.phase, "method": self.method}
+
+
+def model_states(setup: Setup) -> dict[str, int]:
+    """Parameters, gradients and optimizer state each rank keeps between steps (the ZeRO
+    formulas: `multigpu.memory.zero_model_states`)."""
+    from multigpu.config import ZERO_STAGE
+    from multigpu.memory import zero_model_states
+
+    shape = model_shape(setup.model)
+    stage = ZERO_STAGE[setup.strategy]
+    states = zero_model_states(shape.parameters, setup.world_size if stage else 1, stage, setup.optimizer, "fp32")
+    states = {k: math.ceil(v) for k, v in states.items()}
+    if setup.offload_optimizer:
+        states["optimizer"] = 0
+    return states
+
+
+def estimate(setup: Setup, global_batch: int | None = None) -> Estimate:
+    """Per-rank bytes at the peak of one training step (`global_batch` samples over all
+    ranks), or the model states alone when `global_batch` is None."""
+    _check(setup)
+    states = model_states(setup)
+    if global_batch is None:
+        per_rank = {**states, "activations": 0, "other": setup.cuda_context_bytes}
+        per_rank["total"] = sum(per_rank.values())
+        return Estimate(setup, None, None, per_rank, "model states only",
+                        "ZeRO formulas for the model states; no batch, no activations")
+    b = _per_rank_batch(setup, global_batch)
+    phases = _phases(setup, states, b)
+    phase = max(phases, key=lambda name: sum(phases[name].values()))
+    per_rank = {k: int(phases[phase][k]) for k in CATEGORIES}
+    per_rank["other"] += setup.cuda_context_bytes
+    per_rank["total"] = sum(per_rank.values())
+    return Estimate(setup, global_batch, b, per_rank, phase,
+                    "ZeRO formulas for the model states; activations traced once on fake tensors "
+                    "(batch 1 and 2) and scaled linearly; the peak from the step's phases")
+
+
+def _check(setup: Setup) -> None:
+    from multigpu.config import DTYPES, OPTIMIZERS
+
+    if setup.strategy not in ESTIMATED:
+        raise ConfigError(f"the estimator knows the strategies {', '.join(ESTIMATED)}; got {setup.strategy!r}")
+    if setup.dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {setup.dtype!r}")
+    if setup.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {setup.optimizer!r}")
+    if not isinstance(setup.world_size, int) or setup.world_size < 1:
+        raise ConfigError(f"world size must be a whole number of at least 1, got {setup.world_size!r}")
+    if setup.strategy == "single" and setup.world_size != 1:
+        raise ConfigError("strategy single runs on one device: use --world-size 1")
+    if setup.seq_len < 1 or (setup.target_len is not None and setup.target_len < 1):
+        raise ConfigError("sequence lengths must be at least 1")
+    if setup.grad_accum_steps < 1:
+        raise ConfigError(f"gradient accumulation steps must be at least 1, got {setup.grad_accum_steps}")
+    if setup.offload_optimizer and setup.strategy not in ("zero1", "zero2", "zero3"):
+        raise ConfigError("optimizer offload (ZeRO-Offload) goes with a ZeRO stage: zero1, zero2 or zero3")
+
+
+def _per_rank_batch(setup: Setup, global_batch: int) -> int:
+    per_step = setup.world_size * setup.grad_accum_steps
+    if not isinstance(global_batch, int) or global_batch < 1 or global_batch % per_step:
+        raise ConfigError(f"the global batch ({global_batch!r}) must be a positive multiple of world size x "
+                          f"accumulation steps ({setup.world_size} x {setup.grad_accum_steps} = {per_step})")
+    return global_batch // per_step
+
+
+@lru_cache(maxsize=32)
+def _largest_tensor_bytes(model: str) -> int:
+    with torch.device("meta"):
+        built, _ = _build(model)
+    return max(p.numel() for p in built.parameters()) * BYTES
+
+
+def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
+    """What a rank holds, by category, at the two moments one of which is the peak: the end
+    of forward (every saved activation alive, the loss's gradient being made) and the end of
+    backward (every gradient made, the last and largest one being summed)."""
+    shape = model_shape(setup.model)
+    psi, n, s = shape.parameters * BYTES, setup.world_size, setup.strategy
+    cost = activation_cost(setup.model, setup.seq_len, setup.target_len, setup.dtype, setup.activation_checkpointing)
+    saved = cost.saved(b) - (cost.logits_per_sample * b if shape.family == "t5" else 0)  # T5's logits go before backward
+    loss = 2 * cost.logits_per_sample * b  # the loss's gradient: log-probabilities and logits
+    biggest = _largest_tensor_bytes(setup.model)
+    shard = math.ceil(psi / n)
+    root, block = shape.outside_blocks * BYTES, shape.largest_block * BYTES
+    p, g, o = states["params"], states["grads"], states["optimizer"]
+    accumulating = setup.grad_accum_steps > 1
+    fwd = {"params": p, "grads": 0, "optimizer": o, "activations": saved, "other": loss}
+    bwd = {"params": p, "grads": g - biggest, "optimizer": o, "activations": 0, "other": 3 * biggest}
+    if s in ("single", "dp", "ddp"):
+        fwd["grads"] = psi if accumulating else 0
+    if s == "ddp":  # the reducer's buckets: a copy of every gradient
+        fwd["other"] += psi
+        bwd["other"] += psi
+    if s == "dp":  # the primary replica: every replica's outputs and the whole batch's loss come to it
+        fwd["grads"] = psi  # the replicas' gradients are reduced into the primary's
+        fwd["activations"] += (n - 1) * cost.logits_per_sample * b
+        fwd["other"] = 2 * cost.logits_per_sample * b * n + loss
+    if s == "zero1":  # one flat gradient buffer, kept
+        fwd["grads"] = psi
+    if s == "zero2":  # this rank's gradient shard, and a bucket filling as backward starts
+        bucket = min(setup.bucket_cap_mb * 2**20, shard)
+        fwd["grads"], fwd["other"] = g, loss + bucket
+        bwd.update(grads=g, other=bucket + 2 * biggest)
+    if s == "zero3" or s == "fsdp":  # the shard, and the units gathered when backward starts
+        gathered = psi if (s == "fsdp" and not setup.reshard_after_forward) else root + block
+        buffer = root if s == "fsdp" else 0  # FSDP2 keeps the root unit's all-gather buffer
+        # our zero3 keeps its gradient shards; FSDP's are set to None with the other gradients
+        fwd.update(params=p + gathered + buffer, grads=g if s == "zero3" else 0)
+        bwd.update(params=p + root + block, grads=g, other=2 * biggest)
+    if setup.activation_checkpointing:  # backward recomputes one block at a time
+        full = activation_cost(setup.model, setup.seq_len, setup.target_len, setup.dtype, False)
+        per_block = (full.saved(b) - cost.saved(b)) / max(1, _blocks(setup.model))
+        bwd["activations"] += per_block
+    return {"forward": fwd, "backward": bwd}
+
+
+@lru_cache(maxsize=32)
+def _blocks(model: str) -> int:
+    from multigpu.models import transformer_block_types
+
+    with torch.device("meta"):
+        built, _ = _build(model)
+    return sum(isinstance(m, transformer_block_types(built)) for m in built.modules())
+
+
+def largest_batch(setup: Setup, memory_bytes: int) -> Estimate | None:
+    """The estimate for the largest global batch whose peak fits in `memory_bytes` per rank
+    (global batches step by world size x accumulation steps), or None if not even the
+    smallest fits. The peak grows with the batch, so a doubling search then a bisection
+    find it in a few dozen evaluations of the formulas."""
+    step = setup.world_size * setup.grad_accum_steps
+
+    def fits(k: int) -> bool:
+        return estimate(setup, k * step).per_rank_bytes["total"] <= memory_bytes
+
+    if not fits(1):
+        return None
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 2**40:
+            raise ConfigError("the batch grows without bound: the activations of this setup cost nothing?")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return estimate(setup, lo * step)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'32GiB' -> 34359738368; '80GB' -> 80e9; decimal and binary units, case-insensitive."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = found.group(2).lower() if found else None
+    if not found or unit not in _UNITS:
+        raise ConfigError(f"cannot read {text!r} as an amount of memory; write e.g. 32GiB, 80GB or 512MiB")
+    value = float(found.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ConfigError(f"memory must be positive, got {text!r}")
+    return int(value)
