@@ -77,3 +77,68 @@ def test_unsupported_config_and_count_only_activations_are_explained(tmp_path):
         model_shape(str(broken))
     with pytest.raises(ConfigError, match="no activations"):
         activation_cost("params:7.5e9", 256)
+
+
+# -- the estimate of a step's peak ---------------------------------------------------------------
+
+from test_cli import only_json_line, run_cli  # noqa: E402
+from test_measurements import ZERO_TABLE_1  # noqa: E402
+
+from multigpu.estimate import Setup, estimate, largest_batch, parse_bytes  # noqa: E402
+
+
+@pytest.mark.parametrize("stage, strategy", [(0, "ddp"), (1, "zero1"), (2, "zero2"), (3, "zero3")])
+def test_model_states_reproduce_the_zero_papers_table_1(stage, strategy):
+    for n, printed in zip([1, 4, 16, 64, 256, 1024], ZERO_TABLE_1[stage]):
+        setup = Setup("params:7.5e9", strategy, n, dtype="bf16-master", optimizer="adamw")
+        total_gb = estimate(setup).per_rank_bytes["total"] / 1e9
+        scale = 10 ** len(str(printed).partition(".")[2])  # the paper's printed precision
+        assert int(total_gb * scale + 0.5) / scale == printed, (stage, n, total_gb)
+
+
+def test_largest_batch_is_the_last_that_fits():
+    setup = Setup("gpt-small", "ddp", 2, seq_len=128)
+    found = largest_batch(setup, 256 * 2**20)
+    assert found.per_rank_bytes["total"] <= 256 * 2**20
+    assert estimate(setup, found.global_batch + 2).per_rank_bytes["total"] > 256 * 2**20
+    assert largest_batch(setup, 2**20) is None  # not even the model fits
+
+
+@pytest.mark.parametrize("text, nbytes", [("32GiB", 32 * 2**30), ("80GB", 80 * 10**9), ("512 mib", 512 * 2**20),
+                                          ("1.5e3MB", 1.5e9)])
+def test_memory_amounts_are_read_with_their_units(text, nbytes):
+    assert parse_bytes(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["32", "lots", "32GiBs", "-1GiB", "0GB"])
+def test_bad_memory_amounts_are_named(text):
+    if text == "32":  # a bare number is bytes
+        assert parse_bytes(text) == 32
+        return
+    with pytest.raises(ConfigError, match="memory"):
+        parse_bytes(text)
+
+
+def test_estimate_cli_answers_in_json():
+    result = run_cli("estimate", "--model", "gpt-small", "--strategy", "fsdp", "--world-size", "4",
+                     "--seq-len", "128", "--gpu-memory", "256MiB", "--max-batch", "--json")
+    assert result.returncode == 0, result.stderr
+    out = only_json_line(result.stdout)
+    assert set(out["per_rank_bytes"]) == {"params", "grads", "optimizer", "activations", "other", "total"}
+    assert out["per_rank_bytes"]["total"] == sum(v for k, v in out["per_rank_bytes"].items() if k != "total")
+    assert out["fits"] is True and out["max_batch_size"] == out["batch_size"] > 0
+    assert out["batch_size"] % 4 == 0 and out["per_rank_batch"] == out["batch_size"] // 4
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model", "gpt-small", "--strategy", "tp"], "strategies"),
+    (["--model", "gpt-small", "--world-size", "2", "--batch-size", "3"], "multiple"),
+    (["--model", "gpt-small", "--max-batch"], "--gpu-memory"),
+    (["--model", "gpt-small", "--gpu", "a100-81gb", "--max-batch"], "unknown --gpu"),
+    (["--model", "params:1e9", "--batch-size", "8"], "no activations"),
+    (["--model", "gpt-small", "--strategy", "single", "--world-size", "4"], "one device"),
+])
+def test_estimate_cli_explains_bad_input(args, says):
+    result = run_cli("estimate", *args)
+    assert result.returncode == 2 and says in result.stderr, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr

@@ -187,7 +187,8 @@ def main(argv=None) -> int:
                      "(t5 or gpt2), or params:<count> for model states only")
     est.add_argument("--strategy", default="ddp", help="single, dp, ddp, zero1, zero2, zero3 or fsdp")
     est.add_argument("--world-size", type=int, default=1, help="GPUs (ranks)")
-    est.add_argument("--dtype", default="fp32", help="fp32 or bf16-mixed")
+    est.add_argument("--dtype", default="fp32", help="fp32; bf16-mixed (autocast, fp32 weights, as this package "
+                     "trains); bf16-master (bf16 weights and an fp32 master copy, as the ZeRO paper and DeepSpeed)")
     est.add_argument("--optimizer", default="adamw", help="sgd, sgd-momentum or adamw")
     est.add_argument("--seq-len", type=int, default=256, help="tokens per sample (the encoder's, for T5)")
     est.add_argument("--target-len", type=int, default=None, help="the decoder's tokens (T5; default: --seq-len)")

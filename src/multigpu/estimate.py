@@ -83,13 +83,17 @@ def _build(model: str) -> tuple[nn.Module, str]:
                       "(or give params:<count> for model states only)")
 
 
-def _fake_model(model: str):
-    """(model, family) with fake weights: shapes only, nothing allocated."""
+def _fake_model(model: str, dtype: torch.dtype = torch.float32):
+    """(model, family, mode) with fake weights of `dtype`: shapes only, nothing allocated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode()
-    with mode:
-        built, family = _build(model)
+    mode, default = FakeTensorMode(), torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with mode:
+            built, family = _build(model)
+    finally:
+        torch.set_default_dtype(default)
     return built, family, mode
 
 
@@ -156,7 +160,7 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, dty
     if shape.vocab_size is None:
         raise ConfigError(f"{model}: a bare parameter count has no activations to estimate; give a preset or a "
                           "config.json for batch sizes, or leave out --batch-size/--max-batch for model states only")
-    built, family, mode = _fake_model(model)
+    built, family, mode = _fake_model(model, torch.bfloat16 if dtype == "bf16-master" else torch.float32)
     if checkpointing:
         apply_activation_checkpointing(built)
     target_len = target_len or seq_len
@@ -166,7 +170,7 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, dty
         for batch in (1, 2):
             ids = torch.randint(shape.vocab_size, (batch, seq_len))
             labels = torch.randint(shape.vocab_size, (batch, target_len if family == "t5" else seq_len))
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16-mixed"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16-mixed"):  # bf16-master: bf16 weights
                 with _AliveStorages(skip) as alive:  # as PeakMemoryTracker counts: at forward's return
                     out = built(input_ids=ids, labels=labels)
                     saved[batch] = alive.alive_bytes()
@@ -179,8 +183,11 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, dty
 # -- the peak of one training step, per rank ---------------------------------------------------
 
 ESTIMATED = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
+# fp32; bf16-mixed as this package runs it (autocast: fp32 parameters, gradients and optimizer
+# state, bf16 compute); bf16-master as the ZeRO paper and DeepSpeed count mixed precision (bf16
+# parameters and gradients, an fp32 master copy of the weights in the optimizer state)
+ESTIMATOR_DTYPES = ("fp32", "bf16-mixed", "bf16-master")
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
-BYTES = 4  # the package keeps fp32 parameters and gradients; bf16-mixed is autocast on top
 GPUS = {  # name -> memory in bytes (the vendors' data sheets)
     "v100-16gb": 16 * 2**30, "v100-32gb": 32 * 2**30, "a10-24gb": 24 * 2**30, "a100-40gb": 40 * 2**30,
     "a100-80gb": 80 * 2**30, "l4-24gb": 24 * 2**30, "l40s-48gb": 48 * 2**30, "h100-80gb": 80 * 2**30,
@@ -230,7 +237,8 @@ def model_states(setup: Setup) -> dict[str, int]:
 
     shape = model_shape(setup.model)
     stage = ZERO_STAGE[setup.strategy]
-    states = zero_model_states(shape.parameters, setup.world_size if stage else 1, stage, setup.optimizer, "fp32")
+    accounting = "bf16-mixed" if setup.dtype == "bf16-master" else "fp32"  # memory.zero_model_states' names
+    states = zero_model_states(shape.parameters, setup.world_size if stage else 1, stage, setup.optimizer, accounting)
     states = {k: math.ceil(v) for k, v in states.items()}
     if setup.offload_optimizer:
         states["optimizer"] = 0
@@ -259,12 +267,12 @@ def estimate(setup: Setup, global_batch: int | None = None) -> Estimate:
 
 
 def _check(setup: Setup) -> None:
-    from multigpu.config import DTYPES, OPTIMIZERS
+    from multigpu.config import OPTIMIZERS
 
     if setup.strategy not in ESTIMATED:
         raise ConfigError(f"the estimator knows the strategies {', '.join(ESTIMATED)}; got {setup.strategy!r}")
-    if setup.dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {setup.dtype!r}")
+    if setup.dtype not in ESTIMATOR_DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(ESTIMATOR_DTYPES)}, got {setup.dtype!r}")
     if setup.optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {setup.optimizer!r}")
     if not isinstance(setup.world_size, int) or setup.world_size < 1:
@@ -288,10 +296,11 @@ def _per_rank_batch(setup: Setup, global_batch: int) -> int:
 
 
 @lru_cache(maxsize=32)
-def _largest_tensor_bytes(model: str) -> int:
+def _largest_tensor(model: str) -> int:
+    """Elements of the model's largest parameter (the embedding, in these models)."""
     with torch.device("meta"):
         built, _ = _build(model)
-    return max(p.numel() for p in built.parameters()) * BYTES
+    return max(p.numel() for p in built.parameters())
 
 
 def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
@@ -299,13 +308,14 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
     of forward (every saved activation alive, the loss's gradient being made) and the end of
     backward (every gradient made, the last and largest one being summed)."""
     shape = model_shape(setup.model)
-    psi, n, s = shape.parameters * BYTES, setup.world_size, setup.strategy
+    width = 2 if setup.dtype == "bf16-master" else 4  # bytes of a parameter, and of its gradient
+    psi, n, s = shape.parameters * width, setup.world_size, setup.strategy
     cost = activation_cost(setup.model, setup.seq_len, setup.target_len, setup.dtype, setup.activation_checkpointing)
     saved = cost.saved(b) - (cost.logits_per_sample * b if shape.family == "t5" else 0)  # T5's logits go before backward
     loss = 2 * cost.logits_per_sample * b  # the loss's gradient: log-probabilities and logits
-    biggest = _largest_tensor_bytes(setup.model)
+    biggest = _largest_tensor(setup.model) * width
     shard = math.ceil(psi / n)
-    root, block = shape.outside_blocks * BYTES, shape.largest_block * BYTES
+    root, block = shape.outside_blocks * width, shape.largest_block * width
     p, g, o = states["params"], states["grads"], states["optimizer"]
     accumulating = setup.grad_accum_steps > 1
     fwd = {"params": p, "grads": 0, "optimizer": o, "activations": saved, "other": loss}
