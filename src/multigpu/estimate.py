@@ -394,3 +394,51 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise ConfigError(f"memory must be positive, got {text!r}")
     return int(value)
+
+
+# -- against measurement ------------------------------------------------------------------------
+
+# a recorded strategy -> the estimator's (the from-scratch and library versions of one idea)
+_AS_ESTIMATED = {"single": "single", "dp": "dp", "ddp": "ddp", "ddp-scratch": "ddp", "zero1": "zero1",
+                 "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp", "fsdp1": "fsdp"}
+
+
+def measured_categories(record: dict, rank: int = 0) -> dict[str, int]:
+    """A record's peak on `rank`, by category. Parameters, gradients and optimizer state as
+    the tracker classified them; activations are the saved activations, or fewer if some
+    were already freed at the peak (the tracker also files buffers that forward creates,
+    such as DDP's buckets, under activations); other is the rest of the peak."""
+    peak = record["peak_memory_bytes_by_rank"][rank]
+    out = {k: peak[k] for k in ("params", "grads", "optimizer")}
+    out["activations"] = min(record["saved_activation_bytes_by_rank"][rank], peak["activations"])
+    out["other"] = peak["total"] - sum(out.values())
+    out["total"] = peak["total"]
+    return out
+
+
+def setup_of(record: dict) -> Setup | None:
+    """The estimator's question for a recorded run, or None for a strategy it does not model."""
+    c = record["config"]
+    if c["strategy"] not in _AS_ESTIMATED or c["extra"].get("wrap", "blocks") != "blocks":
+        return None
+    return Setup(model=c["model"], strategy=_AS_ESTIMATED[c["strategy"]], world_size=c["world_size"],
+                 seq_len=c["seq_len"], dtype=c["dtype"], optimizer=c["optimizer"],
+                 activation_checkpointing=c["activation_checkpointing"], grad_accum_steps=c["grad_accum_steps"],
+                 reshard_after_forward=c["extra"].get("reshard_after_forward", True),
+                 bucket_cap_mb=c["bucket_cap_mb"])
+
+
+def against_records(records: list[dict]) -> list[dict]:
+    """One row per recorded run the estimator models: estimated and measured bytes by
+    category (rank 0; the DP primary), and the relative error of the total."""
+    rows = []
+    for r in records:
+        setup = setup_of(r)
+        if setup is None or not (r.get("peak_memory_bytes_by_rank") or [{}])[0].get("total"):
+            continue  # a strategy the estimator does not model, or a run that did not track memory
+        est = estimate(setup, r["config"]["global_batch_size"]).per_rank_bytes
+        meas = measured_categories(r)
+        rows.append({"experiment": r.get("experiment"), "strategy": r["config"]["strategy"],
+                     "world_size": r["config"]["world_size"], "global_batch": r["config"]["global_batch_size"],
+                     "estimated": est, "measured": meas, "total_error": est["total"] / meas["total"] - 1})
+    return rows
