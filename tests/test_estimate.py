@@ -51,7 +51,7 @@ def _measured_saved(name, batch, seq, target=None, dtype="fp32", checkpointing=F
     ("t5-tiny", 32, 32, "fp32", True),
 ])
 def test_traced_activations_equal_measured(name, seq, target, dtype, checkpointing):
-    cost = activation_cost(name, seq, target, dtype, checkpointing)
+    cost = activation_cost(name, seq, target, autocast=dtype == "bf16-mixed", checkpointing=checkpointing)
     for batch in (3, 5):  # neither of the traced batch sizes
         assert cost.saved(batch) == _measured_saved(name, batch, seq, target, dtype, checkpointing)
 
@@ -142,3 +142,19 @@ def test_estimate_cli_explains_bad_input(args, says):
     result = run_cli("estimate", *args)
     assert result.returncode == 2 and says in result.stderr, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr
+
+
+def _recorded_runs():
+    from multigpu.records import RESULTS_DIR
+
+    return [record for path in sorted(RESULTS_DIR.glob("*/*.jsonl")) for line in path.read_text().splitlines()
+            if line.strip() and "config" in (record := json.loads(line))]
+
+
+def test_estimated_peak_agrees_with_every_recorded_run():
+    from multigpu.estimate import against_records
+
+    rows = against_records(_recorded_runs())
+    assert {r["strategy"] for r in rows} >= {"single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp"}
+    worst = max(rows, key=lambda r: abs(r["total_error"]))
+    assert abs(worst["total_error"]) <= 0.05, worst

@@ -148,19 +148,23 @@ class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @lru_cache(maxsize=64)
-def activation_cost(model: str, seq_len: int, target_len: int | None = None, dtype: str = "fp32",
-                    checkpointing: bool = False) -> ActivationCost:
+def activation_cost(model: str, seq_len: int, target_len: int | None = None, weights: str = "fp32",
+                    autocast: bool = False, checkpointing: bool = False) -> ActivationCost:
     """Saved activations of `model`, from forward passes on fake tensors at batch 1 and 2:
     the bytes alive when forward returns, its output included (a T5 model returns its
     logits; GPT returns the loss only), as `PeakMemoryTracker` measures them.
-    `target_len`: the decoder's length for encoder-decoder models (default: `seq_len`)."""
+    `target_len`: the decoder's length for encoder-decoder models (default: `seq_len`);
+    `weights`: "fp32" or "bf16" (what the layers compute with); `autocast`: bf16 autocast
+    around forward (with fp32 weights it also keeps bf16 copies of them)."""
     from multigpu.models import apply_activation_checkpointing
 
     shape = model_shape(model)
     if shape.vocab_size is None:
         raise ConfigError(f"{model}: a bare parameter count has no activations to estimate; give a preset or a "
                           "config.json for batch sizes, or leave out --batch-size/--max-batch for model states only")
-    built, family, mode = _fake_model(model, torch.bfloat16 if dtype == "bf16-master" else torch.float32)
+    if weights not in ("fp32", "bf16"):
+        raise ConfigError(f"weights must be fp32 or bf16, got {weights!r}")
+    built, family, mode = _fake_model(model, torch.bfloat16 if weights == "bf16" else torch.float32)
     if checkpointing:
         apply_activation_checkpointing(built)
     target_len = target_len or seq_len
@@ -170,7 +174,7 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, dty
         for batch in (1, 2):
             ids = torch.randint(shape.vocab_size, (batch, seq_len))
             labels = torch.randint(shape.vocab_size, (batch, target_len if family == "t5" else seq_len))
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16-mixed"):  # bf16-master: bf16 weights
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 with _AliveStorages(skip) as alive:  # as PeakMemoryTracker counts: at forward's return
                     out = built(input_ids=ids, labels=labels)
                     saved[batch] = alive.alive_bytes()
@@ -310,12 +314,18 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
     shape = model_shape(setup.model)
     width = 2 if setup.dtype == "bf16-master" else 4  # bytes of a parameter, and of its gradient
     psi, n, s = shape.parameters * width, setup.world_size, setup.strategy
-    cost = activation_cost(setup.model, setup.seq_len, setup.target_len, setup.dtype, setup.activation_checkpointing)
+    # how the layers compute: this package's bf16-mixed is autocast, and FSDP's mixed-precision
+    # policy also gathers bf16 weights; bf16-master keeps bf16 weights and no autocast
+    bf16_weights = setup.dtype == "bf16-master" or (setup.dtype == "bf16-mixed" and s == "fsdp")
+    compute = {"weights": "bf16" if bf16_weights else "fp32", "autocast": setup.dtype == "bf16-mixed"}
+    cost = activation_cost(setup.model, setup.seq_len, setup.target_len, **compute,
+                           checkpointing=setup.activation_checkpointing)
     saved = cost.saved(b) - (cost.logits_per_sample * b if shape.family == "t5" else 0)  # T5's logits go before backward
     loss = 2 * cost.logits_per_sample * b  # the loss's gradient: log-probabilities and logits
     biggest = _largest_tensor(setup.model) * width
     shard = math.ceil(psi / n)
-    root, block = shape.outside_blocks * width, shape.largest_block * width
+    unit_width = 2 if bf16_weights else width  # FSDP's mixed-precision policy gathers bf16 copies
+    root, block = shape.outside_blocks * unit_width, shape.largest_block * unit_width
     p, g, o = states["params"], states["grads"], states["optimizer"]
     accumulating = setup.grad_accum_steps > 1
     fwd = {"params": p, "grads": 0, "optimizer": o, "activations": saved, "other": loss}
@@ -336,13 +346,14 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
         fwd["grads"], fwd["other"] = g, loss + bucket
         bwd.update(grads=g, other=bucket + 2 * biggest)
     if s == "zero3" or s == "fsdp":  # the shard, and the units gathered when backward starts
-        gathered = psi if (s == "fsdp" and not setup.reshard_after_forward) else root + block
+        everything = shape.parameters * unit_width
+        gathered = everything if (s == "fsdp" and not setup.reshard_after_forward) else root + block
         buffer = root if s == "fsdp" else 0  # FSDP2 keeps the root unit's all-gather buffer
         # our zero3 keeps its gradient shards; FSDP's are set to None with the other gradients
         fwd.update(params=p + gathered + buffer, grads=g if s == "zero3" else 0)
         bwd.update(params=p + root + block, grads=g, other=2 * biggest)
     if setup.activation_checkpointing:  # backward recomputes one block at a time
-        full = activation_cost(setup.model, setup.seq_len, setup.target_len, setup.dtype, False)
+        full = activation_cost(setup.model, setup.seq_len, setup.target_len, **compute)
         per_block = (full.saved(b) - cost.saved(b)) / max(1, _blocks(setup.model))
         bwd["activations"] += per_block
     return {"forward": fwd, "backward": bwd}
