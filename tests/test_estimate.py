@@ -158,3 +158,35 @@ def test_estimated_peak_agrees_with_every_recorded_run():
     assert {r["strategy"] for r in rows} >= {"single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp"}
     worst = max(rows, key=lambda r: abs(r["total_error"]))
     assert abs(worst["total_error"]) <= 0.05, worst
+
+
+# -- the advisor ----------------------------------------------------------------------------------
+
+from multigpu.advise import advise  # noqa: E402
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("model, gpus, memory, nodes, interconnect, expected", [
+    ("gpt-small", 2, 256 * 2**20, 1, "fast", "ddp"),  # fits on one device
+    ("t5-3b", 4, 32 * GIB, 1, "fast", "fsdp"),  # does not fit on one, fits sharded
+    ("t5-3b", 4, 256 * 2**20, 1, "fast", "tp"),  # not even one block fits
+    ("t5-3b", 16, 16 * GIB, 2, "slow", "dp+pp+tp+zero1"),  # does not fit, slow links between nodes
+    ("t5-3b", 2, 8 * GIB, 1, "fast", "more GPUs"),  # sharding over two is not enough
+])
+def test_the_advice_follows_the_decision_guide(model, gpus, memory, nodes, interconnect, expected):
+    base = Setup(model, seq_len=128, optimizer="sgd-momentum")
+    advice = advise(base, gpus, memory, nodes=nodes, interconnect=interconnect)
+    assert advice.strategy == expected, advice.reasons
+    one = largest_batch(Setup(model, "single", 1, seq_len=128, optimizer="sgd-momentum"), memory)
+    assert (one is not None) == (expected in ("ddp", "single"))
+    if advice.max_global_batch:  # the numbers are the estimator's
+        found = largest_batch(Setup(model, advice.strategy, gpus, seq_len=128, optimizer="sgd-momentum"), memory)
+        assert (advice.max_global_batch, advice.per_gpu_bytes) == (found.global_batch, found.per_rank_bytes["total"])
+
+
+def test_advise_cli_explains_bad_input():
+    result = run_cli("advise", "--model", "gpt-small", "--gpus", "3", "--nodes", "2", "--gpu-memory", "1GiB")
+    assert result.returncode == 2 and "multiple of --nodes" in result.stderr
+    result = run_cli("advise", "--model", "gpt-small", "--gpus", "2")
+    assert result.returncode == 2 and "--gpu-memory" in result.stderr

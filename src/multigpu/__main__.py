@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from multigpu.config import STRATEGIES, ConfigError, RunConfig
@@ -157,6 +158,30 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+def cmd_advise(args) -> int:
+    from multigpu.advise import advise
+    from multigpu.estimate import GPUS, Setup, parse_bytes
+
+    if args.gpu is not None and args.gpu not in GPUS:
+        raise ConfigError(f"unknown --gpu {args.gpu!r}; choose one of: {', '.join(GPUS)} (or give --gpu-memory)")
+    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else GPUS.get(args.gpu)
+    if memory is None:
+        raise ConfigError("give the memory of one GPU: --gpu-memory 32GiB or --gpu a100-80gb")
+    base = Setup(model=args.model, seq_len=args.seq_len, target_len=args.target_len, dtype=args.dtype,
+                 optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing)
+    advice = advise(base, args.gpus, memory, nodes=args.nodes, interconnect=args.interconnect)
+    if args.json:
+        print(json.dumps(advice.as_dict()))
+        return 0
+    print(f"recommended: {advice.strategy}")
+    if advice.max_global_batch:
+        print(f"  largest global batch {advice.max_global_batch}, {_gib(advice.per_gpu_bytes)} per GPU at it")
+    for reason in advice.reasons:
+        print(f"  - {reason}")
+    print("  largest global batch by strategy: " + ", ".join(f"{k} {v}" for k, v in advice.compared.items()))
+    return 0
+
+
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
@@ -205,6 +230,21 @@ def main(argv=None) -> int:
     est.add_argument("--json", action="store_true", help="print one JSON object")
     est.set_defaults(func=cmd_estimate)
 
+    adv = sub.add_parser("advise", help="recommend a strategy, with the estimator's numbers as reasons")
+    adv.add_argument("--model", required=True, help="a preset or a Hugging Face config.json (t5 or gpt2)")
+    adv.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    adv.add_argument("--gpu-memory", default=None, help="memory of one GPU, e.g. 32GiB")
+    adv.add_argument("--gpu", default=None, help="a named GPU for its memory, e.g. a100-80gb")
+    adv.add_argument("--nodes", type=int, default=1)
+    adv.add_argument("--interconnect", default="fast", help="between nodes: fast (InfiniBand class) or slow")
+    adv.add_argument("--dtype", default="fp32", help="fp32, bf16-mixed or bf16-master")
+    adv.add_argument("--optimizer", default="adamw", help="sgd, sgd-momentum or adamw")
+    adv.add_argument("--seq-len", type=int, default=256)
+    adv.add_argument("--target-len", type=int, default=None)
+    adv.add_argument("--activation-checkpointing", action="store_true")
+    adv.add_argument("--json", action="store_true")
+    adv.set_defaults(func=cmd_advise)
+
     fig = sub.add_parser("figures", help="run the experiments behind the book's figures")
     fig.add_argument("--experiments", nargs="*", default=None, help="names (default: all)")
     fig.set_defaults(func=cmd_figures)
@@ -223,6 +263,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted; every worker was stopped", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
