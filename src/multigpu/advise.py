@@ -14,6 +14,7 @@ Every number in the answer is the estimator's (`multigpu.estimate`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from multigpu.config import ConfigError
 from multigpu.estimate import Setup, estimate, largest_batch, model_shape
@@ -41,7 +42,7 @@ def advise(base: Setup, gpus: int, memory_bytes: int, nodes: int = 1, interconne
         raise ConfigError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
     if interconnect not in INTERCONNECTS:
         raise ConfigError(f"--interconnect must be one of {', '.join(INTERCONNECTS)}, got {interconnect!r}")
-    size = _size(memory_bytes)
+    size, name = _size(memory_bytes), Path(base.model).stem  # a config file by its name, not its path
 
     def best(strategy: str, n: int):
         return largest_batch(replace(base, strategy=strategy, world_size=n), memory_bytes)
@@ -55,7 +56,7 @@ def advise(base: Setup, gpus: int, memory_bytes: int, nodes: int = 1, interconne
             compared[s] = found.global_batch if found else 0
     if one is not None:
         ddp = best("ddp", gpus) if gpus > 1 else one
-        reasons = [f"{base.model} trains on one {size} GPU: up to {one.global_batch} samples per step "
+        reasons = [f"{name} trains on one {size} GPU: up to {one.global_batch} samples per step "
                    f"({_size(one.per_rank_bytes['total'])} at that batch)."]
         if gpus == 1:
             return Advice("single", reasons, one.per_rank_bytes["total"], one.global_batch, compared)
@@ -73,7 +74,7 @@ def advise(base: Setup, gpus: int, memory_bytes: int, nodes: int = 1, interconne
     layer = Setup(f"params:{shape.largest_block}", "single", 1, optimizer="sgd", dtype=base.dtype)
     layer_bytes = estimate(layer).per_rank_bytes["total"]
     alone = replace(base, strategy="single", world_size=1)
-    reasons = [f"{base.model} does not train on one {size} GPU: one sample needs "
+    reasons = [f"{name} does not train on one {size} GPU: one sample needs "
                f"{_size(estimate(alone, 1).per_rank_bytes['total'])}, of which the model states are "
                f"{_size(estimate(alone).per_rank_bytes['total'])}."]
     if layer_bytes > memory_bytes:

@@ -431,3 +431,78 @@ def zero_timeline(ranks: list[dict]):
     plt.close(fig)
     return animation
 
+
+
+# -- the estimator ---------------------------------------------------------------------------
+
+ESTIMATED_FOOTER = "estimated by multigpu.estimate: ZeRO formulas and activations traced on fake tensors; nothing ran"
+ADVICE_COLORS = {"ddp": "#4C72B0", "zero1": "#8172B3", "zero2": "#55A868", "fsdp": "#DD8452",
+                 "does not fit": "#DDDDDD"}
+
+
+def _estimated_figure(width=6.4, height=3.6):
+    style()
+    fig, ax = plt.subplots(figsize=(width, height), constrained_layout=True)
+    fig.get_layout_engine().set(h_pad=0.12)
+    fig.text(0.5, -0.02, ESTIMATED_FOOTER, ha="center", va="top", fontsize=7.5, color="#555555")
+    return fig, ax
+
+
+def estimate_bars(per_rank: dict, memory_bytes: int | None = None, title="Estimated memory per GPU at the peak"):
+    """per_rank: label -> {category: bytes}; a stacked bar per label, and the device's memory."""
+    fig, ax = _estimated_figure(width=max(5.0, 1.1 * len(per_rank) + 2.5))
+    labels = list(per_rank)
+    bottoms = [0.0] * len(labels)
+    for cat in CATEGORIES:
+        values = [per_rank[k][cat] / 2**30 for k in labels]
+        ax.bar(labels, values, bottom=bottoms, label=cat, color=COLORS[cat])
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    if memory_bytes:
+        ax.axhline(memory_bytes / 2**30, color="black", lw=1, ls="--", label="device memory")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(title, fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=7, ncol=3)
+    return fig
+
+
+def strategy_map(choice: dict, models: list[str], sizes: dict, batches: list[int], machine: str,
+                 title="The cheapest strategy that fits"):
+    """choice: (model, global batch) -> strategy (or "does not fit"); one row per model
+    (sizes: model -> parameters), one column per global batch."""
+    from matplotlib.patches import Patch
+
+    fig, ax = _estimated_figure(width=7.2, height=0.45 * len(models) + 1.8)
+    for i, model in enumerate(models):
+        for j, batch in enumerate(batches):
+            name = choice[(model, batch)]
+            ax.add_patch(plt.Rectangle((j, i), 1, 1, color=ADVICE_COLORS[name], ec="white"))
+            ax.text(j + 0.5, i + 0.5, name if name != "does not fit" else "-", ha="center", va="center",
+                    fontsize=7)
+    ax.set_xlim(0, len(batches))
+    ax.set_ylim(0, len(models))
+    ax.set_xticks([j + 0.5 for j in range(len(batches))], [str(b) for b in batches])
+    ax.set_yticks([i + 0.5 for i in range(len(models))],
+                  [f"{m} ({sizes[m] / 1e9:.2g}B)" for m in models], fontsize=8)
+    ax.set_xlabel("global batch (samples per step)")
+    ax.grid(False)
+    ax.set_title(f"{title}: {machine}", fontsize=10)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in ADVICE_COLORS.items()], fontsize=7, ncol=5,
+              loc="upper center", bbox_to_anchor=(0.5, -0.22))
+    return fig
+
+
+def predicted_vs_measured(rows, records, title="The estimator against every recorded run"):
+    """rows: multigpu.estimate.against_records; measured peak total against the estimate."""
+    fig, (ax,) = _figure(records)
+    for strategy in sorted({r["strategy"] for r in rows}):
+        mine = [r for r in rows if r["strategy"] == strategy]
+        ax.scatter([r["measured"]["total"] / MiB for r in mine], [r["estimated"]["total"] / MiB for r in mine],
+                   s=18, label=strategy)
+    top = max(max(r["measured"]["total"], r["estimated"]["total"]) for r in rows) / MiB * 1.05
+    ax.plot([0, top], [0, top], color="black", lw=0.8, label="estimate = measurement")
+    ax.set_xlabel("measured peak, rank 0 (MiB)")
+    ax.set_ylabel("estimated peak (MiB)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    return fig
