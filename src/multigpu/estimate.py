@@ -43,14 +43,22 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class ActivationCost:
-    """Bytes forward keeps for backward: `fixed + per_sample * batch`, per process."""
+    """Bytes forward keeps for backward: `fixed + per_sample * batch`, per process. Of them,
+    `tail` were saved after the last block (final norm, head, loss) and `last_block` by the
+    last block: backward frees those first."""
 
     fixed: int
     per_sample: int
     logits_per_sample: int  # bytes of one sample's fp32 logits (the loss's temporaries scale with it)
+    tail: tuple[int, int] = (0, 0)  # (fixed, per sample)
+    last_block: tuple[int, int] = (0, 0)
 
     def saved(self, batch: int) -> int:
         return self.fixed + self.per_sample * batch
+
+    def freed_first(self, batch: int) -> tuple[int, int]:
+        """(tail, last block) bytes at this batch."""
+        return self.tail[0] + self.tail[1] * batch, self.last_block[0] + self.last_block[1] * batch
 
 
 def _build(model: str) -> tuple[nn.Module, str]:
@@ -156,7 +164,7 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
     `target_len`: the decoder's length for encoder-decoder models (default: `seq_len`);
     `weights`: "fp32" or "bf16" (what the layers compute with); `autocast`: bf16 autocast
     around forward (with fp32 weights it also keeps bf16 copies of them)."""
-    from multigpu.models import apply_activation_checkpointing
+    from multigpu.models import apply_activation_checkpointing, transformer_block_types
 
     shape = model_shape(model)
     if shape.vocab_size is None:
@@ -168,20 +176,32 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
     if checkpointing:
         apply_activation_checkpointing(built)
     target_len = target_len or seq_len
-    saved = {}
+    saved, tail, last = {}, {}, {}
+    blocks = [m for m in built.modules() if isinstance(m, transformer_block_types(built))]
     with mode:
         skip = {t.untyped_storage()._cdata for t in [*built.parameters(), *built.buffers()]}
         for batch in (1, 2):
             ids = torch.randint(shape.vocab_size, (batch, seq_len))
             labels = torch.randint(shape.vocab_size, (batch, target_len if family == "t5" else seq_len))
+            marks = []  # alive bytes after each block's forward
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 with _AliveStorages(skip) as alive:  # as PeakMemoryTracker counts: at forward's return
+                    hooks = [b.register_forward_hook(lambda *_: marks.append(alive.alive_bytes())) for b in blocks]
                     out = built(input_ids=ids, labels=labels)
                     saved[batch] = alive.alive_bytes()
+                    for h in hooks:
+                        h.remove()
             del out
+            marks = marks[-2:] if len(marks) >= 2 else [0, *marks]
+            tail[batch], last[batch] = saved[batch] - marks[-1], marks[-1] - marks[-2]
     per_sample = saved[2] - saved[1]
     logits = (target_len if family == "t5" else seq_len) * shape.vocab_size * 4
-    return ActivationCost(fixed=saved[1] - per_sample, per_sample=per_sample, logits_per_sample=logits)
+
+    def line(by_batch):  # (fixed, per sample) through batch 1 and 2
+        return (2 * by_batch[1] - by_batch[2], by_batch[2] - by_batch[1])
+
+    return ActivationCost(fixed=saved[1] - per_sample, per_sample=per_sample, logits_per_sample=logits,
+                          tail=line(tail), last_block=line(last))
 
 
 # -- the peak of one training step, per rank ---------------------------------------------------
@@ -308,9 +328,13 @@ def _largest_tensor(model: str) -> int:
 
 
 def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
-    """What a rank holds, by category, at the two moments one of which is the peak: the end
-    of forward (every saved activation alive, the loss's gradient being made) and the end of
-    backward (every gradient made, the last and largest one being summed)."""
+    """What a rank holds, by category, at the moments one of which is the peak:
+    - "forward": the end of forward, every saved activation alive, the loss's gradient made;
+    - "backward, head done": the head's activations freed, its gradient in hand (ZeRO-2's
+      first bucket is allocated now);
+    - "backward, last block done": the last block's activations freed too, its whole
+      gradient made and about to be reduce-scattered (ZeRO-3, FSDP);
+    - "backward": the end of backward, every gradient made, the largest being summed."""
     shape = model_shape(setup.model)
     width = 2 if setup.dtype == "bf16-master" else 4  # bytes of a parameter, and of its gradient
     psi, n, s = shape.parameters * width, setup.world_size, setup.strategy
@@ -321,8 +345,9 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
     cost = activation_cost(setup.model, setup.seq_len, setup.target_len, **compute,
                            checkpointing=setup.activation_checkpointing)
     saved = cost.saved(b) - (cost.logits_per_sample * b if shape.family == "t5" else 0)  # T5's logits go before backward
+    tail, last_block = cost.freed_first(b)
     loss = 2 * cost.logits_per_sample * b  # the loss's gradient: log-probabilities and logits
-    biggest = _largest_tensor(setup.model) * width
+    biggest = _largest_tensor(setup.model) * width  # the embedding (GPT ties it to the head)
     shard = math.ceil(psi / n)
     unit_width = 2 if bf16_weights else width  # FSDP's mixed-precision policy gathers bf16 copies
     root, block = shape.outside_blocks * unit_width, shape.largest_block * unit_width
@@ -330,6 +355,7 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
     accumulating = setup.grad_accum_steps > 1
     fwd = {"params": p, "grads": 0, "optimizer": o, "activations": saved, "other": loss}
     bwd = {"params": p, "grads": g - biggest, "optimizer": o, "activations": 0, "other": 3 * biggest}
+    phases = {"forward": fwd, "backward": bwd}
     if s in ("single", "dp", "ddp"):
         fwd["grads"] = psi if accumulating else 0
     if s == "ddp":  # the reducer's buckets: a copy of every gradient
@@ -341,22 +367,35 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
         fwd["other"] = 2 * cost.logits_per_sample * b * n + loss
     if s == "zero1":  # one flat gradient buffer, kept
         fwd["grads"] = psi
-    if s == "zero2":  # this rank's gradient shard, and a bucket filling as backward starts
+    if s == "zero2":  # the gradient shard; a bucket fills once the head's backward is done
         bucket = min(setup.bucket_cap_mb * 2**20, shard)
-        fwd["grads"], fwd["other"] = g, loss + bucket
+        fwd["grads"] = g
+        phases["backward, head done"] = {**fwd, "activations": saved - tail, "other": loss + bucket}
         bwd.update(grads=g, other=bucket + 2 * biggest)
-    if s == "zero3" or s == "fsdp":  # the shard, and the units gathered when backward starts
+    if s == "zero3" or s == "fsdp":
+        fsdp = s == "fsdp"
         everything = shape.parameters * unit_width
-        gathered = everything if (s == "fsdp" and not setup.reshard_after_forward) else root + block
-        buffer = root if s == "fsdp" else 0  # FSDP2 keeps the root unit's all-gather buffer
-        # our zero3 keeps its gradient shards; FSDP's are set to None with the other gradients
-        fwd.update(params=p + gathered + buffer, grads=g if s == "zero3" else 0)
+        # at the end of forward: FSDP2 has resharded the last block (ours gathers it again at
+        # once) and left that block's all-gather buffer alive; FSDP's gradients are None between
+        # steps, ours (zero3) are kept shards
+        if fsdp:
+            gathered = everything if not setup.reshard_after_forward else root
+        else:
+            gathered = root + block
+        fwd.update(params=p + gathered, grads=0 if fsdp else g, activations=saved + (block if fsdp else 0))
+        if setup.reshard_after_forward or not fsdp:
+            # the last block's whole gradient, the copy reduce-scatter sends, what it returns;
+            # the head's (tied) weight gradient waits in the root unit
+            phases["backward, last block done"] = {
+                "params": p + root + block, "grads": math.ceil(block / n) if fsdp else g, "optimizer": o,
+                "activations": saved - tail - last_block,
+                "other": 2 * block + (root if fsdp else math.ceil(block / n)) + biggest}
         bwd.update(params=p + root + block, grads=g, other=2 * biggest)
     if setup.activation_checkpointing:  # backward recomputes one block at a time
         full = activation_cost(setup.model, setup.seq_len, setup.target_len, **compute)
         per_block = (full.saved(b) - cost.saved(b)) / max(1, _blocks(setup.model))
         bwd["activations"] += per_block
-    return {"forward": fwd, "backward": bwd}
+    return phases
 
 
 @lru_cache(maxsize=32)
@@ -411,7 +450,7 @@ def parse_bytes(text: str) -> int:
 
 # a recorded strategy -> the estimator's (the from-scratch and library versions of one idea)
 _AS_ESTIMATED = {"single": "single", "dp": "dp", "ddp": "ddp", "ddp-scratch": "ddp", "zero1": "zero1",
-                 "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp", "fsdp1": "fsdp"}
+                 "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp"}  # FSDP1's flat parameters: not modelled
 
 
 def measured_categories(record: dict, rank: int = 0) -> dict[str, int]:

@@ -57,6 +57,7 @@ class FlatShards:
         else:  # stages 1, 2: the shard is a window on the full buffer
             self.shard = nn.Parameter(self.full[self.lo:self.hi])
         self.shard_grad = torch.zeros_like(self.shard)  # the sum of this shard's gradients
+        self.shard.grad = self.shard_grad  # always: the optimizer and the memory tracker see it as a gradient
 
     def owners(self, start: int, end: int):
         """(rank, lo, hi) for every rank whose shard holds part of the flat range
@@ -104,7 +105,7 @@ class Zero:
             # this rank's shard of their sum goes back into its own window of it
             group = self.groups[0]
             self.flat_grad = torch.zeros_like(group.full)
-            group.shard_grad = self.flat_grad[group.lo:group.hi]
+            group.shard_grad = group.shard.grad = self.flat_grad[group.lo:group.hi]
             self._point_grads_at_flat_buffer()
         if stage == 2:  # gradients leave in buckets, filled in the order backward produces them
             self.buckets = _buckets(self.groups[0], cfg.bucket_cap_mb)
@@ -212,7 +213,7 @@ class Zero:
                 if unit is self.root or unit.grads_ready:
                     self._finish_unit(unit)
         for g in self.groups:
-            g.shard.grad = g.shard_grad.div_(self.world_size)  # the mean over ranks, as DDP's
+            g.shard_grad.div_(self.world_size)  # the mean over ranks, as DDP's (it is the shard's .grad)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -224,8 +225,7 @@ class Zero:
                 unit.free()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        for g in self.groups:
+        for g in self.groups:  # in place: a shard's gradient keeps its storage from step to step
             g.shard_grad.zero_()
         if self.stage == 1:
             self.flat_grad.zero_()
@@ -271,4 +271,4 @@ def prepare(model, cfg, rt) -> Parallelized:
     zero = Zero(model, cfg, rt, stage=int(cfg.strategy[-1]))
     return Parallelized(module=model, optimizer=zero.optimizer, model=model, finish_backward=zero.finish_backward,
                         zero_grad=zero.zero_grad, step=zero.step, gather_state_dict=zero.gather_state_dict,
-                        tracked=[g.shard_grad for g in zero.groups])
+                        tracked=[nn.ParameterList([g.shard for g in zero.groups])])  # shards and their .grad
