@@ -375,13 +375,10 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
     if s == "zero3" or s == "fsdp":
         fsdp = s == "fsdp"
         everything = shape.parameters * unit_width
-        # at the end of forward: FSDP2 has resharded the last block (ours gathers it again at
-        # once) and left that block's all-gather buffer alive; FSDP's gradients are None between
-        # steps, ours (zero3) are kept shards
-        if fsdp:
-            gathered = everything if not setup.reshard_after_forward else root
-        else:
-            gathered = root + block
+        # at the end of forward the last block is resharded (unless FSDP keeps every unit) and
+        # only the root stays gathered; FSDP2 leaves that block's all-gather buffer alive; FSDP's
+        # gradients are None between steps, ours (zero3) are kept shards
+        gathered = everything if (fsdp and not setup.reshard_after_forward) else root
         fwd.update(params=p + gathered, grads=0 if fsdp else g, activations=saved + (block if fsdp else 0))
         if setup.reshard_after_forward or not fsdp:
             # the last block's whole gradient, the copy reduce-scatter sends, what it returns;
