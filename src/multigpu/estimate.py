@@ -368,10 +368,11 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
     if s == "zero1":  # one flat gradient buffer, kept
         fwd["grads"] = psi
     if s == "zero2":  # the gradient shard; a bucket fills once the head's backward is done
-        bucket = min(setup.bucket_cap_mb * 2**20, shard)
+        # a bucket holds up to the cap and a shard, but never splits a parameter
+        bucket = max(min(setup.bucket_cap_mb * 2**20, shard), biggest)
         fwd["grads"] = g
         phases["backward, head done"] = {**fwd, "activations": saved - tail, "other": loss + bucket}
-        bwd.update(grads=g, other=bucket + 2 * biggest)
+        bwd.update(grads=g, other=bucket + 3 * biggest)
     if s == "zero3" or s == "fsdp":
         fsdp = s == "fsdp"
         everything = shape.parameters * unit_width
@@ -387,7 +388,8 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
                 "params": p + root + block, "grads": math.ceil(block / n) if fsdp else g, "optimizer": o,
                 "activations": saved - tail - last_block,
                 "other": 2 * block + (root if fsdp else math.ceil(block / n)) + biggest}
-        bwd.update(params=p + root + block, grads=g, other=2 * biggest)
+        # the blocks are done and resharded; the root's (embedding's) gradient is being summed
+        bwd.update(params=p + root, grads=g, other=3 * biggest)
     if setup.activation_checkpointing:  # backward recomputes one block at a time
         full = activation_cost(setup.model, setup.seq_len, setup.target_len, **compute)
         per_block = (full.saved(b) - cost.saved(b)) / max(1, _blocks(setup.model))
