@@ -236,6 +236,7 @@ class Setup:
     offload_optimizer: bool = False  # ZeRO-Offload: the optimizer state and step live in host memory
     bucket_cap_mb: float = 25.0
     cuda_context_bytes: int = 0  # what the CUDA context takes on each GPU (0 on CPU)
+    backend: str = "nccl"  # "gloo" (CPU): its reduce-scatter works on a copy of the whole input
 
 
 @dataclass
@@ -365,8 +366,10 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
         fwd["grads"] = psi  # the replicas' gradients are reduced into the primary's
         fwd["activations"] += (n - 1) * cost.logits_per_sample * b
         fwd["other"] = 2 * cost.logits_per_sample * b * n + loss
-    if s == "zero1":  # one flat gradient buffer, kept
-        fwd["grads"] = psi
+    if s == "zero1":  # one flat gradient buffer, kept; reduce-scattered once backward is done
+        fwd["grads"] = bwd["grads"] = psi
+        phases["reduce-scatter"] = {"params": p, "grads": psi, "optimizer": o, "activations": 0,
+                                    "other": shard + (psi if setup.backend == "gloo" else 0)}
     if s == "zero2":  # the gradient shard; a bucket fills once the head's backward is done
         # a bucket holds up to the cap and a shard, but never splits a parameter
         bucket = max(min(setup.bucket_cap_mb * 2**20, shard), biggest)
@@ -474,7 +477,7 @@ def setup_of(record: dict) -> Setup | None:
                  seq_len=c["seq_len"], dtype=c["dtype"], optimizer=c["optimizer"],
                  activation_checkpointing=c["activation_checkpointing"], grad_accum_steps=c["grad_accum_steps"],
                  reshard_after_forward=c["extra"].get("reshard_after_forward", True),
-                 bucket_cap_mb=c["bucket_cap_mb"])
+                 bucket_cap_mb=c["bucket_cap_mb"], backend=record["provenance"]["backend"])
 
 
 def against_records(records: list[dict]) -> list[dict]:
