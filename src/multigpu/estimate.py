@@ -384,13 +384,21 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
         # gradients are None between steps, ours (zero3) are kept shards
         gathered = everything if (fsdp and not setup.reshard_after_forward) else root
         fwd.update(params=p + gathered, grads=0 if fsdp else g, activations=saved + (block if fsdp else 0))
-        if setup.reshard_after_forward or not fsdp:
-            # the last block's whole gradient, the copy reduce-scatter sends, what it returns;
-            # the head's (tied) weight gradient waits in the root unit
+        gathered_block = {"params": p + root + block, "optimizer": o}
+        if not fsdp:  # ours, after the last block's backward: the copy reduce-scatter sends and what it
+            # returns; the head's (tied) weight gradient waits in the root unit
             phases["backward, last block done"] = {
-                "params": p + root + block, "grads": math.ceil(block / n) if fsdp else g, "optimizer": o,
-                "activations": saved - tail - last_block,
-                "other": 2 * block + (root if fsdp else math.ceil(block / n)) + biggest}
+                **gathered_block, "grads": g, "activations": saved - tail - last_block,
+                "other": 2 * block + math.ceil(block / n) + biggest}
+        elif setup.reshard_after_forward:  # FSDP2, measured module by module: the peak falls inside
+            # the last block's backward (gathered again, its gradients being made, its activations
+            # not yet freed) or inside the next block's (the last one's gradient reduce-scattered
+            # to a shard, its unsharded copy not yet released)
+            phases["backward, in the last block"] = {
+                **gathered_block, "grads": 0, "activations": saved - tail, "other": loss + block}
+            phases["backward, in the block before"] = {
+                **gathered_block, "grads": math.ceil(shape.largest_block * width / n),
+                "activations": saved - tail - last_block, "other": loss + 2 * block}
         # the blocks are done and resharded; the root's (embedding's) gradient is being summed
         bwd.update(params=p + root, grads=g, other=3 * biggest)
     if setup.activation_checkpointing:  # backward recomputes one block at a time
@@ -488,9 +496,11 @@ def against_records(records: list[dict]) -> list[dict]:
         setup = setup_of(r)
         if setup is None or not (r.get("peak_memory_bytes_by_rank") or [{}])[0].get("total"):
             continue  # a strategy the estimator does not model, or a run that did not track memory
-        est = estimate(setup, r["config"]["global_batch_size"]).per_rank_bytes
-        meas = measured_categories(r)
+        found = estimate(setup, r["config"]["global_batch_size"])
+        est, meas = found.per_rank_bytes, measured_categories(r)
         rows.append({"experiment": r.get("experiment"), "strategy": r["config"]["strategy"],
+                     "variant": "no reshard" if not setup.reshard_after_forward else "",
                      "world_size": r["config"]["world_size"], "global_batch": r["config"]["global_batch_size"],
-                     "estimated": est, "measured": meas, "total_error": est["total"] / meas["total"] - 1})
+                     "estimated": est, "measured": meas, "total_error": est["total"] / meas["total"] - 1,
+                     "phase": found.phase})
     return rows
