@@ -205,3 +205,27 @@ def test_estimated_categories_agree_with_the_recorded_runs():
             assert abs(est[category] - meas[category]) <= allowed, (row["strategy"], row["world_size"], category)
         checked += 1
     assert checked >= 40
+
+
+def test_offloading_the_optimizer_state_takes_it_off_the_device():
+    on = estimate(Setup("gpt-small", "zero2", 2, seq_len=128, offload_optimizer=True), 4).per_rank_bytes
+    off = estimate(Setup("gpt-small", "zero2", 2, seq_len=128), 4).per_rank_bytes
+    assert on["optimizer"] == 0 and off["optimizer"] > 0
+    assert off["total"] - on["total"] == off["optimizer"]
+    with pytest.raises(ConfigError, match="ZeRO stage"):
+        estimate(Setup("gpt-small", "ddp", 2, offload_optimizer=True), 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs: the estimate against the CUDA allocator's peak")
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_estimate_agrees_with_the_cuda_allocator(strategy):
+    from multigpu import RunConfig
+    from multigpu.estimate import setup_of
+    from multigpu.launch import launch
+
+    record = launch(RunConfig(strategy=strategy, world_size=2, model="gpt-small", seq_len=128,
+                              global_batch_size=8, steps=3, optimizer="adamw", device="cuda"), progress=False)
+    estimated = estimate(setup_of(record), 8).per_rank_bytes["total"]
+    measured = record["cuda_allocator_peak_bytes_by_rank"][0]
+    assert abs(estimated / measured - 1) <= 0.10, (estimated, measured)
