@@ -19,7 +19,8 @@ def test_search_finds_what_brute_force_finds(monkeypatch, fixed, per_sample, cap
         b = cfg.global_batch_size // cfg.processes
         launched.append(b)
         peak = fixed + per_sample * b - (per_sample // 2 if b == 1 else 0)
-        return {"cuda_allocator_peak_bytes_by_rank": [None], "peak_memory_bytes_by_rank": [{"total": peak}]}
+        return {"cuda_allocator_peak_bytes_by_rank": [None], "peak_memory_bytes_by_rank": [{"total": peak}],
+                "provenance": {}}
 
     monkeypatch.setattr(maxbatch, "launch", fake_launch)
     found = maxbatch.largest_batch(RunConfig(strategy="ddp", world_size=2), cap, limit=1000)
@@ -40,3 +41,23 @@ def test_largest_batch_on_real_runs_is_a_boundary():
     found = maxbatch.largest_batch(cfg, cap_bytes=int(one * 1.5))
     b, probes = found["per_rank_batch"], found["probes"]
     assert b >= 1 and probes[b] <= found["cap_bytes"] < probes[b + 1]
+
+
+def test_runs_that_run_out_of_memory_are_bisected(monkeypatch):
+    """Above a batch the device cannot hold, probes fail with out-of-memory (no peak to draw
+    a line through): the search halves the gap instead of stepping one sample at a time."""
+    launched = []
+
+    def fake_launch(cfg, progress=None):
+        b = cfg.global_batch_size // cfg.processes
+        launched.append(b)
+        if b > 20:
+            raise maxbatch.LaunchError("rank 0: CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"cuda_allocator_peak_bytes_by_rank": [None], "peak_memory_bytes_by_rank": [{"total": 10 * b}],
+                "provenance": {"machine_tag": "fake"}}
+
+    monkeypatch.setattr(maxbatch, "launch", fake_launch)
+    found = maxbatch.largest_batch(RunConfig(strategy="ddp", world_size=2), cap_bytes=10**6, limit=1000)
+    assert found["per_rank_batch"] == 20 and found["provenance"] == {"machine_tag": "fake"}
+    assert len(launched) <= 10, launched
+    assert found["probes"][max(launched)] is None

@@ -21,26 +21,36 @@ def peak_bytes(record: dict) -> int:
 
 def largest_batch(cfg: RunConfig, cap_bytes: int, limit: int = 1024, progress: bool | None = False) -> dict:
     """Largest per-rank batch (micro-batches of it, no accumulation) whose peak fits
-    `cap_bytes`; returns it with every probe (per-rank batch -> peak bytes)."""
+    `cap_bytes`; returns it with every probe (per-rank batch -> peak bytes, None for a run
+    that ran out of memory) and the provenance of the last run that finished."""
     n = cfg.world_size  # the batch splits over processes, or over dp's replicas
-    probes: dict[int, int] = {}
+    probes: dict[int, int | None] = {}
+    provenance = {}
 
     def fits(per_rank: int) -> bool:
         if per_rank not in probes:
             run = cfg.replace(global_batch_size=per_rank * n, grad_accum_steps=1, steps=2, track_memory=True)
             try:
-                probes[per_rank] = peak_bytes(launch(run, progress=progress))
+                record = launch(run, progress=progress)
+                probes[per_rank], provenance["last"] = peak_bytes(record), record["provenance"]
             except LaunchError as err:  # a run the device cannot hold at all does not fit either
                 if "out of memory" not in str(err).lower():
                     raise
-                probes[per_rank] = float("inf")
-        return probes[per_rank] <= cap_bytes
+                probes[per_rank] = None
+        return probes[per_rank] is not None and probes[per_rank] <= cap_bytes
+
+    def result(best: int) -> dict:
+        return {"per_rank_batch": best, "global_batch": best * n, "probes": probes, "cap_bytes": cap_bytes,
+                "provenance": provenance.get("last")}
 
     if not fits(1):
-        return {"per_rank_batch": 0, "global_batch": 0, "probes": probes, "cap_bytes": cap_bytes}
+        return result(0)
 
     def crossing(x0: int, x1: int) -> int:
-        """Where the line through the probes at x0 and x1 reaches the cap."""
+        """Where the line through the probes at x0 and x1 reaches the cap; halfway when x1
+        ran out of memory (no peak to draw a line through)."""
+        if probes[x1] is None:
+            return (x0 + x1) // 2
         slope = max((probes[x1] - probes[x0]) / (x1 - x0), 1.0)
         return int(x0 + (cap_bytes - probes[x0]) // slope)
 
@@ -61,5 +71,4 @@ def largest_batch(cfg: RunConfig, cap_bytes: int, limit: int = 1024, progress: b
             candidate = min(max(candidate, lo + 1), hi - 1)
             if hi - lo <= 1:
                 break
-    best = lo
-    return {"per_rank_batch": best, "global_batch": best * n, "probes": probes, "cap_bytes": cap_bytes}
+    return result(lo)

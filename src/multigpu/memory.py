@@ -88,16 +88,6 @@ class PeakMemoryTracker:
             self.saved_activation_bytes = max(self.saved_activation_bytes, saved)
 
 
-def unique_tensors(tensors) -> list[torch.Tensor]:
-    """Each tensor once, even if shared (GPT ties its embedding and output weights)."""
-    seen, out = set(), []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 

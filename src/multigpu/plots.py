@@ -178,13 +178,18 @@ def collective_grid(rows_by_rank, title="Each collective on 4 processes: what ev
                     ax.text(0.05, rank + 0.5, "(undefined)", va="center", fontsize=7.5, color="#777777")
             ax.set_title(f"{name}: {when}" if j == 0 else when, fontsize=9, loc="left")
     fig.suptitle(title, fontsize=10)
+    _live_footer(fig, n, y=-0.01)
+    return fig
+
+
+def _live_footer(fig, processes: int, y: float) -> None:
+    """The footer of a figure run live while the book was built: where it ran."""
     import torch
 
     from multigpu.records import cpu_name
 
-    fig.text(0.5, -0.01, f"Run live while this page was built: {n} gloo processes on {cpu_name()}, "
+    fig.text(0.5, y, f"Run live while this page was built: {processes} gloo processes on {cpu_name()}, "
              f"torch {torch.__version__}.", ha="center", va="top", fontsize=7.5, color="#555555")
-    return fig
 
 
 def collective_bandwidth(records, title="All-reduce bus bandwidth by message size"):
@@ -426,7 +431,8 @@ def zero_timeline(ranks: list[dict]):
         fig.suptitle(f"ZeRO stage {first['stage']} ({first['model']}, {n} ranks), event {k + 1}/{len(frames)}: "
                      f"{frames[k]['event']}", fontsize=9)
 
-    fig.subplots_adjust(left=0.17, right=0.88, top=0.88, bottom=0.1, hspace=0.25)
+    fig.subplots_adjust(left=0.17, right=0.88, top=0.88, bottom=0.14, hspace=0.25)
+    _live_footer(fig, n, y=0.03)
     animation = FuncAnimation(fig, draw, frames=len(frames), interval=1200)
     plt.close(fig)
     return animation

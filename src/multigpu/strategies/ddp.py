@@ -11,8 +11,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from multigpu.strategies import Parallelized, build_optimizer
 
 
+def wrap(model, cfg, rt) -> DDP:
+    """The model in DDP, on this rank's GPU (device_ids) or on the CPU (None)."""
+    device_ids = [rt.device.index] if rt.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb)
+
+
 def prepare(model, cfg, rt) -> Parallelized:
-    device_ids = [rt.device.index] if rt.device.type == "cuda" else None  # None on CPU
-    ddp_model = DDP(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb)
+    ddp_model = wrap(model, cfg, rt)
     optimizer = build_optimizer(ddp_model.parameters(), cfg)
     return Parallelized(module=ddp_model, optimizer=optimizer, model=model, no_sync=ddp_model.no_sync)

@@ -38,7 +38,7 @@ class FlatShards:
     def __init__(self, params: list[nn.Parameter], rank: int, world_size: int, sharded_storage: bool):
         if not params:
             raise ValueError("a flat group needs at least one parameter")
-        self.params, self.world_size = params, world_size
+        self.params = params
         # stage 3's bookkeeping: gathered for backward, how many gradients have arrived
         self.in_backward, self.awaiting_backward, self.grads_ready = False, False, 0
         self.numels = [p.numel() for p in params]
@@ -254,7 +254,8 @@ class Bucket:
 def _buckets(group: FlatShards, cap_mb: float) -> list[Bucket]:
     """Last parameters first (backward's order), each bucket a contiguous range of the flat
     group holding up to `cap_mb` of gradients, and at most one shard's worth: then the
-    gradients a rank holds never exceed two shards (its own, and the bucket filling)."""
+    gradients a rank holds never exceed two shards (its own, and the bucket filling). A
+    parameter larger than that (a big embedding) is never split: it gets a bucket of its own."""
     cap = min(cap_mb * 2**20 / group.full.element_size(), group.size)
     buckets: list[Bucket] = []
     for i in reversed(range(len(group.params))):
