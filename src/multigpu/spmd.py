@@ -15,9 +15,9 @@ import argparse
 import importlib
 import pickle
 import shutil
-import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -58,7 +58,7 @@ def run_spmd(target: str, world_size: int, *, timeout_s: float = 600, threads: i
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> NoReturn:
     from multigpu.worker import run_worker, write_atomic
 
     parser = argparse.ArgumentParser(description=__doc__)
@@ -74,8 +74,8 @@ def main(argv=None) -> int:
         write_atomic(args.out / f"result-rank{rank}.pkl", pickle.dumps(fn(**kwargs)))
         dist.barrier()
 
-    return run_worker(args.out, body)
+    run_worker(args.out, body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

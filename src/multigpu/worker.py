@@ -16,6 +16,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -72,18 +73,28 @@ def write_error(out: Path, rank: int, err: BaseException) -> None:
     (out / f"error-rank{rank}.txt").write_text(summary + "\n" + traceback.format_exc())
 
 
-def run_worker(out: Path, body: Callable[[int], None]) -> int:
+def run_worker(out: Path, body: Callable[[int], None]) -> NoReturn:
     """The frame of every torchrun worker: body(rank); on failure its traceback goes to
-    out/error-rank<R>.txt for the launcher; the process group is always torn down."""
+    out/error-rank<R>.txt for the launcher; the process group is always torn down.
+
+    The worker leaves with os._exit, skipping the interpreter's finalization.
+    Gloo's worker threads can still be releasing a finished collective's tensors then
+    (DeepSpeed keeps its process groups alive past destroy_process_group), and a thread
+    that takes the GIL during finalization aborts the process, a run whose results were
+    all written (pytorch/pytorch#190489). Everything a worker produces is on disk by then."""
     rank = int(os.environ.get("RANK", 0))
+    code = 0
     try:
         body(rank)
-        return 0
     except BaseException as err:
         write_error(out, rank, err)
-        raise
+        traceback.print_exc()
+        code = 1
     finally:
         runtime.teardown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -93,7 +104,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> NoReturn:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
@@ -116,8 +127,8 @@ def main(argv=None) -> int:
             write_atomic(args.out / "record.json", json.dumps(build_record(cfg, rt, gathered)).encode())
         dist.barrier()
 
-    return run_worker(args.out, body)
+    run_worker(args.out, body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
