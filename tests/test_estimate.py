@@ -6,11 +6,19 @@ import json
 import pytest
 import torch
 
-from multigpu.config import ConfigError
+from multigpu.config import OPTIMIZERS, ConfigError, RunConfig
 from multigpu.estimate import activation_cost, model_shape
 from multigpu.memory import PeakMemoryTracker
-from multigpu.models import (GPT_SIZES, apply_activation_checkpointing, build_model, compute_loss,
-                             count_parameters, t5_config, vocab_size)
+from multigpu.models import (
+    GPT_SIZES,
+    apply_activation_checkpointing,
+    build_model,
+    compute_loss,
+    count_parameters,
+    t5_config,
+    vocab_size,
+)
+from multigpu.strategies import build_optimizer
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt-small", "gpt2", "t5-tiny", "t5-small", "t5-large"])
@@ -81,10 +89,9 @@ def test_unsupported_config_and_count_only_activations_are_explained(tmp_path):
 
 # -- the estimate of a step's peak ---------------------------------------------------------------
 
+from multigpu.estimate import Setup, estimate, largest_batch, parse_bytes  # noqa: E402
 from test_cli import only_json_line, run_cli  # noqa: E402
 from test_measurements import ZERO_TABLE_1  # noqa: E402
-
-from multigpu.estimate import Setup, estimate, largest_batch, parse_bytes  # noqa: E402
 
 
 @pytest.mark.parametrize("stage, strategy", [(0, "ddp"), (1, "zero1"), (2, "zero2"), (3, "zero3")])
@@ -205,6 +212,20 @@ def test_estimated_categories_agree_with_the_recorded_runs():
             assert abs(est[category] - meas[category]) <= allowed, (row["strategy"], row["world_size"], category)
         checked += 1
     assert checked >= 40
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_optimizer_state_is_what_torchs_optimizer_keeps(optimizer):
+    """Against PyTorch's own optimizer after a step: its state tensors, less Adam's scalar
+    step counters (4 bytes per parameter tensor, which the estimate leaves out)."""
+    model = build_model("gpt-tiny")
+    opt = build_optimizer(model.parameters(), RunConfig(optimizer=optimizer))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    kept = sum(v.numel() * v.element_size() for state in opt.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    assert estimate(Setup("gpt-tiny", seq_len=64, optimizer=optimizer), 1).per_rank_bytes["optimizer"] == kept
 
 
 def test_offloading_the_optimizer_state_takes_it_off_the_device():

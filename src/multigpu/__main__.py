@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from multigpu.config import STRATEGIES, ConfigError, RunConfig
+from multigpu.config import OPTIMIZERS, STRATEGIES, ConfigError, RunConfig
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -28,7 +28,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum-steps", type=int, default=d.grad_accum_steps)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--dtype", default=d.dtype, help="fp32 or bf16-mixed")
-    p.add_argument("--optimizer", default=d.optimizer, help="sgd, sgd-momentum or adamw")
+    p.add_argument("--optimizer", default=d.optimizer, help=", ".join(OPTIMIZERS))
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--activation-checkpointing", action="store_true")
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     est.add_argument("--world-size", type=int, default=1, help="GPUs (ranks)")
     est.add_argument("--dtype", default="fp32", help="fp32; bf16-mixed (autocast, fp32 weights, as this package "
                      "trains); bf16-master (bf16 weights and an fp32 master copy, as the ZeRO paper and DeepSpeed)")
-    est.add_argument("--optimizer", default="adamw", help="sgd, sgd-momentum or adamw")
+    est.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
     est.add_argument("--seq-len", type=int, default=256, help="tokens per sample (the encoder's, for T5)")
     est.add_argument("--target-len", type=int, default=None, help="the decoder's tokens (T5; default: --seq-len)")
     est.add_argument("--gpu-memory", default=None, help="memory of one device, e.g. 32GiB or 80GB")
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     adv.add_argument("--nodes", type=int, default=1)
     adv.add_argument("--interconnect", default="fast", help="between nodes: fast (InfiniBand class) or slow")
     adv.add_argument("--dtype", default="fp32", help="fp32, bf16-mixed or bf16-master")
-    adv.add_argument("--optimizer", default="adamw", help="sgd, sgd-momentum or adamw")
+    adv.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
     adv.add_argument("--seq-len", type=int, default=256)
     adv.add_argument("--target-len", type=int, default=None)
     adv.add_argument("--activation-checkpointing", action="store_true")

@@ -36,7 +36,7 @@ SHARDED = [s for s in STRATEGIES if ZERO_STAGE[s] > 0]
 # strategies that run every replica as a thread of one process, not one process each
 ONE_PROCESS = ("single", "dp")
 DTYPES = ("fp32", "bf16-mixed")
-OPTIMIZERS = ("sgd", "sgd-momentum", "adamw")
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 DATASETS = ("synthetic", "dummy")
 

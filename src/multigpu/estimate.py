@@ -115,7 +115,8 @@ def model_shape(model: str) -> ModelShape:
         except (ValueError, OverflowError):
             n = 0
         if n <= 0:
-            raise ConfigError(f"--model {model!r}: the count after params: must be a positive number, e.g. params:7.5e9")
+            raise ConfigError(f"--model {model!r}: the count after params: must be a positive number, "
+                              "e.g. params:7.5e9")
         return ModelShape(model, n, largest_block=0, outside_blocks=n, vocab_size=None, family=None)
     from multigpu.models import transformer_block_types
 
@@ -186,14 +187,15 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
             marks = []  # alive bytes after each block's forward
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 with _AliveStorages(skip) as alive:  # as PeakMemoryTracker counts: at forward's return
-                    hooks = [b.register_forward_hook(lambda *_: marks.append(alive.alive_bytes())) for b in blocks]
+                    hooks = [b.register_forward_hook(lambda *_, add=marks.append, alive=alive: add(alive.alive_bytes()))
+                             for b in blocks]
                     out = built(input_ids=ids, labels=labels)
                     saved[batch] = alive.alive_bytes()
                     for h in hooks:
                         h.remove()
             del out
-            marks = marks[-2:] if len(marks) >= 2 else [0, *marks]
-            tail[batch], last[batch] = saved[batch] - marks[-1], marks[-1] - marks[-2]
+            ends = marks[-2:] if len(marks) >= 2 else [0, *marks]
+            tail[batch], last[batch] = saved[batch] - ends[-1], ends[-1] - ends[-2]
     per_sample = saved[2] - saved[1]
     logits = (target_len if family == "t5" else seq_len) * shape.vocab_size * 4
 
@@ -345,7 +347,8 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
     compute = {"weights": "bf16" if bf16_weights else "fp32", "autocast": setup.dtype == "bf16-mixed"}
     cost = activation_cost(setup.model, setup.seq_len, setup.target_len, **compute,
                            checkpointing=setup.activation_checkpointing)
-    saved = cost.saved(b) - (cost.logits_per_sample * b if shape.family == "t5" else 0)  # T5's logits go before backward
+    # T5's logits are freed before backward
+    saved = cost.saved(b) - (cost.logits_per_sample * b if shape.family == "t5" else 0)
     tail, last_block = cost.freed_first(b)
     loss = 2 * cost.logits_per_sample * b  # the loss's gradient: log-probabilities and logits
     biggest = _largest_tensor(setup.model) * width  # the embedding (GPT ties it to the head)

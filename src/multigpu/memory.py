@@ -134,7 +134,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 # bytes per parameter of each model state, as the ZeRO paper counts them
 # (Rajbhandari et al. 2020, section 3.1): fp32 training keeps 4-byte parameters and
 # gradients; mixed precision keeps 2-byte ones plus an fp32 master copy in the optimizer.
-_OPTIMIZER_BYTES = {"sgd": 0, "sgd-momentum": 4, "adamw": 8}  # fp32 state per parameter
+_OPTIMIZER_BYTES = {"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8}  # fp32 state per parameter
 
 
 def zero_model_states(parameters: int, world_size: int, stage: int, optimizer: str = "adamw",

@@ -103,7 +103,7 @@ def zero_holdings_one(stage: int, model_name: str = "gpt-tiny", optimizer: str =
     zero._send_to_owners = send
 
     batch = _batch(model_name, rt.rank)
-    for tracing in (False, True):
+    for tracing in (False, True):  # noqa: B007 (snapshot reads it) a warm-up step, then the traced one
         zero.zero_grad()
         snapshot("start of the step")
         loss = compute_loss(model, batch)

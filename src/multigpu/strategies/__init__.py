@@ -48,6 +48,8 @@ def optimizer_spec(cfg) -> tuple[type[torch.optim.Optimizer], dict]:
         return torch.optim.SGD, {"lr": cfg.lr}
     if cfg.optimizer == "sgd-momentum":
         return torch.optim.SGD, {"lr": cfg.lr, "momentum": 0.9}
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam, {"lr": cfg.lr}
     return torch.optim.AdamW, {"lr": cfg.lr}
 
 
