@@ -144,6 +144,7 @@ def test_estimate_cli_answers_in_json():
     (["--model", "gpt-small", "--gpu", "a100-81gb", "--max-batch"], "unknown --gpu"),
     (["--model", "params:1e9", "--batch-size", "8"], "no activations"),
     (["--model", "gpt-small", "--strategy", "single", "--world-size", "4"], "one device"),
+    (["--model", "gpt-tiny", "--batch-size", "2"], "--seq-len 64 or less"),  # the default 256 tokens
 ])
 def test_estimate_cli_explains_bad_input(args, says):
     result = run_cli("estimate", *args)

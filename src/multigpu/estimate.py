@@ -174,6 +174,10 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
     if weights not in ("fp32", "bf16"):
         raise ConfigError(f"weights must be fp32 or bf16, got {weights!r}")
     built, family, mode = _fake_model(model, torch.bfloat16 if weights == "bf16" else torch.float32)
+    positions = built.cfg.seq_len if family == "gpt" else None
+    if positions is not None and seq_len > positions:
+        raise ConfigError(f"{model} has {positions} positions, so a sample holds at most {positions} tokens; "
+                          f"got {seq_len}: pass --seq-len {positions} or less")
     if checkpointing:
         apply_activation_checkpointing(built)
     target_len = target_len or seq_len
