@@ -83,6 +83,17 @@ def test_unsupported_config_and_count_only_activations_are_explained(tmp_path):
     broken.write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read"):
         model_shape(str(broken))
+    gpt2 = {"model_type": "gpt2", "vocab_size": 100, "n_layer": 2, "n_head": 3, "n_embd": 64}
+    for content, says in [([1, 2], "JSON list"),
+                          ({**gpt2, "n_layer": None}, "positive whole number"),
+                          ({k: v for k, v in gpt2.items() if k != "n_layer"}, "needs the setting 'n_layer'"),
+                          (gpt2, "split evenly over the 3 attention heads"),
+                          ({"model_type": "t5", "d_model": "wide"}, "cannot build a t5 model")]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(content))
+        model_shape.cache_clear()
+        with pytest.raises(ConfigError, match=says):
+            model_shape(str(bad))
     with pytest.raises(ConfigError, match="no activations"):
         activation_cost("params:7.5e9", 256)
 
@@ -117,13 +128,28 @@ def test_memory_amounts_are_read_with_their_units(text, nbytes):
     assert parse_bytes(text) == nbytes
 
 
-@pytest.mark.parametrize("text", ["32", "lots", "32GiBs", "-1GiB", "0GB"])
+@pytest.mark.parametrize("text", ["lots", "32GiBs", "-1GiB", "0GB"])
 def test_bad_memory_amounts_are_named(text):
-    if text == "32":  # a bare number is bytes
-        assert parse_bytes(text) == 32
-        return
     with pytest.raises(ConfigError, match="memory"):
         parse_bytes(text)
+
+
+def test_a_bare_number_is_bytes_and_zero_only_where_allowed():
+    assert parse_bytes("32") == 32
+    assert parse_bytes("0MiB", allow_zero=True) == 0
+
+
+def test_a_named_gpu_is_its_memory_less_the_cuda_context():
+    def other(*args):
+        result = run_cli("estimate", "--model", "gpt-small", "--seq-len", "128", "--max-batch", "--json", *args)
+        assert result.returncode == 0, result.stderr
+        out = only_json_line(result.stdout)
+        return out["max_batch_size"], out["per_rank_bytes"]["other"]
+
+    named = other("--gpu", "v100-16gb")
+    assert named == other("--gpu-memory", "16GiB", "--cuda-context", "500MiB")
+    assert other("--gpu", "v100-16gb", "--cuda-context", "0") == other("--gpu-memory", "16GiB")
+    assert named[0] < other("--gpu-memory", "16GiB")[0]
 
 
 def test_estimate_cli_answers_in_json():
@@ -177,6 +203,7 @@ GIB = 2**30
 
 @pytest.mark.parametrize("model, gpus, memory, nodes, interconnect, expected", [
     ("gpt-small", 2, 256 * 2**20, 1, "fast", "ddp"),  # fits on one device
+    ("gpt2-xl", 2, 22 * GIB, 1, "fast", "zero2"),  # fits on one, but not beside DDP's buckets
     ("t5-3b", 4, 32 * GIB, 1, "fast", "fsdp"),  # does not fit on one, fits sharded
     ("t5-3b", 4, 256 * 2**20, 1, "fast", "tp"),  # not even one block fits
     ("t5-3b", 16, 16 * GIB, 2, "slow", "dp+pp+tp+zero1"),  # does not fit, slow links between nodes
@@ -187,7 +214,7 @@ def test_the_advice_follows_the_decision_guide(model, gpus, memory, nodes, inter
     advice = advise(base, gpus, memory, nodes=nodes, interconnect=interconnect)
     assert advice.strategy == expected, advice.reasons
     one = largest_batch(Setup(model, "single", 1, seq_len=128, optimizer="sgd-momentum"), memory)
-    assert (one is not None) == (expected in ("ddp", "single"))
+    assert (one is not None) == (expected in ("ddp", "single", "zero2"))
     if advice.max_global_batch:  # the numbers are the estimator's
         found = largest_batch(Setup(model, advice.strategy, gpus, seq_len=128, optimizer="sgd-momentum"), memory)
         assert (advice.max_global_batch, advice.per_gpu_bytes) == (found.global_batch, found.per_rank_bytes["total"])

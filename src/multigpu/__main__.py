@@ -108,17 +108,14 @@ def cmd_check(args) -> int:
 def cmd_estimate(args) -> int:
     import time
 
-    from multigpu.estimate import GPUS, Setup, estimate, largest_batch, parse_bytes
+    from multigpu.estimate import Setup, estimate, largest_batch
 
     start = time.perf_counter()
-    if args.gpu is not None and args.gpu not in GPUS:
-        raise ConfigError(f"unknown --gpu {args.gpu!r}; choose one of: {', '.join(GPUS)} (or give --gpu-memory)")
-    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else GPUS.get(args.gpu)
+    memory, context = _device_memory(args)
     if args.max_batch and memory is None:
         raise ConfigError("--max-batch needs the memory of one device: --gpu-memory 32GiB or --gpu a100-80gb")
     if args.max_batch and args.batch_size is not None:
         raise ConfigError("give either --batch-size or --max-batch, not both")
-    context = parse_bytes(args.cuda_context) if args.gpu is not None else 0
     setup = Setup(model=args.model, strategy=args.strategy, world_size=args.world_size, seq_len=args.seq_len,
                   target_len=args.target_len, dtype=args.dtype, optimizer=args.optimizer,
                   activation_checkpointing=args.activation_checkpointing, grad_accum_steps=args.grad_accum_steps,
@@ -160,15 +157,14 @@ def cmd_estimate(args) -> int:
 
 def cmd_advise(args) -> int:
     from multigpu.advise import advise
-    from multigpu.estimate import GPUS, Setup, parse_bytes
+    from multigpu.estimate import Setup
 
-    if args.gpu is not None and args.gpu not in GPUS:
-        raise ConfigError(f"unknown --gpu {args.gpu!r}; choose one of: {', '.join(GPUS)} (or give --gpu-memory)")
-    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else GPUS.get(args.gpu)
+    memory, context = _device_memory(args)
     if memory is None:
         raise ConfigError("give the memory of one GPU: --gpu-memory 32GiB or --gpu a100-80gb")
     base = Setup(model=args.model, seq_len=args.seq_len, target_len=args.target_len, dtype=args.dtype,
-                 optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing)
+                 optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
+                 cuda_context_bytes=context)
     advice = advise(base, args.gpus, memory, nodes=args.nodes, interconnect=args.interconnect)
     if args.json:
         print(json.dumps(advice.as_dict()))
@@ -180,6 +176,25 @@ def cmd_advise(args) -> int:
         print(f"  - {reason}")
     print("  largest global batch by strategy: " + ", ".join(f"{k} {v}" for k, v in advice.compared.items()))
     return 0
+
+
+CUDA_CONTEXT_HELP = ("memory the CUDA context takes on each GPU, counted in 'other'; default 500MiB with "
+                     "--gpu, 0 with --gpu-memory")
+
+
+def _device_memory(args) -> tuple[int | None, int]:
+    """(memory of one device, CUDA context assumed in it) from --gpu-memory or --gpu, and
+    --cuda-context: by default 500 MiB for a named GPU, nothing for a bare amount."""
+    from multigpu.estimate import GPUS, parse_bytes
+
+    if args.gpu is not None and args.gpu not in GPUS:
+        raise ConfigError(f"unknown --gpu {args.gpu!r}; choose one of: {', '.join(GPUS)} (or give --gpu-memory)")
+    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else GPUS.get(args.gpu)
+    if args.cuda_context is not None:
+        context = parse_bytes(args.cuda_context, allow_zero=True)
+    else:
+        context = parse_bytes("500MiB") if args.gpu is not None else 0
+    return memory, context
 
 
 def _gib(nbytes: float) -> str:
@@ -219,8 +234,7 @@ def main(argv=None) -> int:
     est.add_argument("--target-len", type=int, default=None, help="the decoder's tokens (T5; default: --seq-len)")
     est.add_argument("--gpu-memory", default=None, help="memory of one device, e.g. 32GiB or 80GB")
     est.add_argument("--gpu", default=None, help="a named GPU for its memory, e.g. v100-32gb, a100-80gb, h100-80gb")
-    est.add_argument("--cuda-context", default="500MiB",
-                     help="assumed CUDA context per GPU when --gpu is given (default 500MiB)")
+    est.add_argument("--cuda-context", default=None, help=CUDA_CONTEXT_HELP)
     est.add_argument("--batch-size", type=int, default=None, help="global batch: all ranks together")
     est.add_argument("--max-batch", action="store_true", help="find the largest global batch that fits")
     est.add_argument("--grad-accum-steps", type=int, default=1)
@@ -235,6 +249,7 @@ def main(argv=None) -> int:
     adv.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     adv.add_argument("--gpu-memory", default=None, help="memory of one GPU, e.g. 32GiB")
     adv.add_argument("--gpu", default=None, help="a named GPU for its memory, e.g. a100-80gb")
+    adv.add_argument("--cuda-context", default=None, help=CUDA_CONTEXT_HELP)
     adv.add_argument("--nodes", type=int, default=1)
     adv.add_argument("--interconnect", default="fast", help="between nodes: fast (InfiniBand class) or slow")
     adv.add_argument("--dtype", default="fp32", help="fp32, bf16-mixed or bf16-master")

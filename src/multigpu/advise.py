@@ -60,6 +60,8 @@ def advise(base: Setup, gpus: int, memory_bytes: int, nodes: int = 1, interconne
                    f"({_size(one.per_rank_bytes['total'])} at that batch)."]
         if gpus == 1:
             return Advice("single", reasons, one.per_rank_bytes["total"], one.global_batch, compared)
+        if ddp is None:  # DDP's buckets hold a second copy of the gradients
+            return _without_ddp(base, gpus, best, reasons, compared)
         reasons.append(f"Data parallelism (DDP) on {gpus} GPUs keeps a whole copy on each and runs "
                        f"{ddp.global_batch} samples per step, with one all-reduce of the gradients per step.")
         zero2 = compared.get("zero2", 0)
@@ -98,6 +100,25 @@ def advise(base: Setup, gpus: int, memory_bytes: int, nodes: int = 1, interconne
     if interconnect == "slow" or nodes > 1:
         reasons.append("Pipeline parallelism sends less than ZeRO-3 when the links are slow.")
     return Advice("fsdp", reasons, sharded.per_rank_bytes["total"], sharded.global_batch, compared)
+
+
+def _without_ddp(base: Setup, gpus: int, best, reasons: list[str], compared: dict) -> Advice:
+    """The model trains on one GPU, but not with DDP beside it: DDP's buckets hold a second
+    copy of the gradients. Sharding the optimizer state and gradients (ZeRO-2, ZeRO-1) costs
+    no more bytes sent; sharding the parameters too (FSDP) does."""
+    reasons.append(f"DDP does not fit: its buckets hold a second copy of the gradients "
+                   f"({_size(estimate(replace(base, strategy='single', world_size=1)).per_rank_bytes['grads'])}).")
+    for strategy, why in (("zero2", "ZeRO-2 shards the optimizer state and gradients"),
+                          ("zero1", "ZeRO-1 shards the optimizer state"),
+                          ("fsdp", "FSDP shards the parameters, gradients and optimizer state, and sends 3 Psi "
+                                   "bytes per step against DDP's 2 Psi")):
+        if compared.get(strategy):
+            found = best(strategy, gpus)
+            reasons.append(f"{why}: {found.global_batch} samples per step on {gpus} GPUs, "
+                           f"{_size(found.per_rank_bytes['total'])} per GPU.")
+            return Advice(strategy, reasons, found.per_rank_bytes["total"], found.global_batch, compared)
+    reasons.append("No data-parallel strategy fits beside the model on these GPUs: add GPUs or memory.")
+    return Advice("more GPUs", reasons, None, None, compared)
 
 
 def _size(nbytes: float) -> str:

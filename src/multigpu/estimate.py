@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from multigpu.config import ConfigError
+from multigpu.memory import CATEGORIES
 
 
 @dataclass(frozen=True)
@@ -75,18 +76,28 @@ def _build(model: str) -> tuple[nn.Module, str]:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read {path} as a Hugging Face config.json: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a Hugging Face config.json: it holds a JSON {type(config).__name__}, "
+                          "not an object of settings")
     kind = config.get("model_type")
-    if kind == "t5":
-        from transformers import T5Config, T5ForConditionalGeneration
+    try:
+        if kind == "t5":
+            from transformers import T5Config, T5ForConditionalGeneration
 
-        cfg = T5Config(**{**config, "dropout_rate": 0.0, "use_cache": False,
-                          "decoder_start_token_id": config.get("decoder_start_token_id", 0),
-                          "pad_token_id": config.get("pad_token_id", 0)})
-        return T5ForConditionalGeneration(cfg), "t5"
-    if kind == "gpt2":
-        # the GPT-2 architecture is the package's GPT; the sizes come from the file
-        return GPT(GPTConfig(vocab_size=config["vocab_size"], n_layer=config["n_layer"], n_head=config["n_head"],
-                             d_model=config["n_embd"], seq_len=config.get("n_positions", 1024))), "gpt"
+            cfg = T5Config(**{**config, "dropout_rate": 0.0, "use_cache": False,
+                              "decoder_start_token_id": config.get("decoder_start_token_id", 0),
+                              "pad_token_id": config.get("pad_token_id", 0)})
+            return T5ForConditionalGeneration(cfg), "t5"
+        if kind == "gpt2":
+            # the GPT-2 architecture is the package's GPT; the sizes come from the file
+            return GPT(GPTConfig(vocab_size=config["vocab_size"], n_layer=config["n_layer"],
+                                 n_head=config["n_head"], d_model=config["n_embd"],
+                                 seq_len=config.get("n_positions", 1024))), "gpt"
+    except KeyError as e:
+        raise ConfigError(f"{path}: a {kind} config needs the setting {e.args[0]!r}") from None
+    except Exception as e:  # the config class or the model refused a value (transformers' own checks)
+        raise ConfigError(f"{path}: cannot build a {kind} model from it: {type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
     raise ConfigError(f"{path}: model_type {kind!r} is not supported; the estimator knows t5 and gpt2 configs "
                       "(or give params:<count> for model states only)")
 
@@ -169,8 +180,8 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
 
     shape = model_shape(model)
     if shape.vocab_size is None:
-        raise ConfigError(f"{model}: a bare parameter count has no activations to estimate; give a preset or a "
-                          "config.json for batch sizes, or leave out --batch-size/--max-batch for model states only")
+        raise ConfigError(f"{model}: a bare parameter count has no activations to estimate, so it gives the model "
+                          "states alone; batch sizes need a preset or a config.json")
     if weights not in ("fp32", "bf16"):
         raise ConfigError(f"weights must be fp32 or bf16, got {weights!r}")
     built, family, mode = _fake_model(model, torch.bfloat16 if weights == "bf16" else torch.float32)
@@ -217,8 +228,8 @@ ESTIMATED = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
 # state, bf16 compute); bf16-master as the ZeRO paper and DeepSpeed count mixed precision (bf16
 # parameters and gradients, an fp32 master copy of the weights in the optimizer state)
 ESTIMATOR_DTYPES = ("fp32", "bf16-mixed", "bf16-master")
-CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
-GPUS = {  # name -> memory in bytes (the vendors' data sheets)
+GPUS = {  # name -> the memory its name says, read as GiB; the usable amount is a little less on some cards,
+    # so give --gpu-memory where it matters
     "v100-16gb": 16 * 2**30, "v100-32gb": 32 * 2**30, "a10-24gb": 24 * 2**30, "a100-40gb": 40 * 2**30,
     "a100-80gb": 80 * 2**30, "l4-24gb": 24 * 2**30, "l40s-48gb": 48 * 2**30, "h100-80gb": 80 * 2**30,
     "h200-141gb": 141 * 2**30, "rtx4090-24gb": 24 * 2**30,
@@ -440,7 +451,8 @@ def largest_batch(setup: Setup, memory_bytes: int) -> Estimate | None:
     while fits(hi):
         lo, hi = hi, hi * 2
         if hi > 2**40:
-            raise ConfigError("the batch grows without bound: the activations of this setup cost nothing?")
+            raise ConfigError(f"more than {lo:,} samples per rank fit in {memory_bytes / 2**30:,.0f} GiB; "
+                              "give the memory of one device (e.g. --gpu-memory 80GiB), not a total")
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -451,15 +463,15 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, allow_zero: bool = False) -> int:
     """'32GiB' -> 34359738368; '80GB' -> 80e9; decimal and binary units, case-insensitive."""
     found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = found.group(2).lower() if found else None
     if not found or unit not in _UNITS:
         raise ConfigError(f"cannot read {text!r} as an amount of memory; write e.g. 32GiB, 80GB or 512MiB")
     value = float(found.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise ConfigError(f"memory must be positive, got {text!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"memory must be {'zero or more' if allow_zero else 'positive'}, got {text!r}")
     return int(value)
 
 

@@ -21,6 +21,14 @@ class GPTConfig:
     d_model: int
     seq_len: int  # longest sequence the position table holds
 
+    def __post_init__(self):
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive whole number, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"the width ({self.d_model}) must split evenly over the {self.n_head} attention heads")
+
     @property
     def d_ff(self) -> int:
         return 4 * self.d_model
