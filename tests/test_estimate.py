@@ -198,7 +198,8 @@ def test_estimated_peak_agrees_with_every_recorded_run():
 # The estimator's peak moments were found by comparing with the recorded runs, so they are
 # also checked on runs it was not fitted to: another model (T5), other optimizers, sequence
 # lengths, batches and dtypes, measured fresh. Totals only: at a peak at the end of
-# backward, the tracker files some of T5's buffers as activations (the chapter says so).
+# backward, the tracker files some of T5's tensors made during forward as activations (DDP's
+# buckets, rebuilt in the second step's forward; the chapter says so).
 HELD_OUT = [
     dict(model="t5-small", strategy="ddp", world_size=2, seq_len=64, global_batch_size=4, optimizer="sgd-momentum"),
     dict(model="t5-small", strategy="zero3", world_size=2, seq_len=64, global_batch_size=4, optimizer="adamw"),
