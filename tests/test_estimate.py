@@ -258,16 +258,12 @@ def test_advise_cli_explains_bad_input():
 def test_estimated_categories_agree_with_the_recorded_runs():
     """Each category within 10% of itself or 5% of the peak (a few MiB move between categories
     with the allocator's timing)."""
-    from multigpu.estimate import against_records
+    from multigpu.estimate import against_records, categories_off
 
-    checked = 0
-    for row in against_records(_recorded_runs()):
-        est, meas = row["estimated"], row["measured"]
-        for category in ("params", "grads", "optimizer", "activations", "other"):
-            allowed = max(0.10 * meas[category], 0.05 * meas["total"])
-            assert abs(est[category] - meas[category]) <= allowed, (row["strategy"], row["world_size"], category)
-        checked += 1
-    assert checked >= 40
+    rows = against_records(_recorded_runs())
+    assert len(rows) >= 40
+    for row in rows:
+        assert not categories_off(row), (row["strategy"], row["world_size"], row["estimated"], row["measured"])
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

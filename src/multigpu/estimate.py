@@ -38,6 +38,8 @@ class ModelShape:
     parameters: int
     largest_block: int  # parameters of the largest transformer block (a ZeRO-3 / FSDP unit)
     outside_blocks: int  # parameters outside every block (embeddings, final norm, head)
+    blocks: int  # transformer blocks
+    largest_tensor: int  # elements of the largest parameter (the embedding, in these models)
     vocab_size: int | None  # None: a bare parameter count, no activations known
     family: str | None  # "gpt", "t5" or None
 
@@ -128,7 +130,8 @@ def model_shape(model: str) -> ModelShape:
         if n <= 0:
             raise ConfigError(f"--model {model!r}: the count after params: must be a positive number, "
                               "e.g. params:7.5e9")
-        return ModelShape(model, n, largest_block=0, outside_blocks=n, vocab_size=None, family=None)
+        return ModelShape(model, n, largest_block=0, outside_blocks=n, blocks=0, largest_tensor=0,
+                          vocab_size=None, family=None)
     from multigpu.models import transformer_block_types
 
     with torch.device("meta"):
@@ -140,7 +143,8 @@ def model_shape(model: str) -> ModelShape:
     largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     outside = sum(p.numel() for p in params if id(p) not in in_blocks)
     vocab = built.cfg.vocab_size if family == "gpt" else built.config.vocab_size
-    return ModelShape(model, total, largest, outside, vocab, family)
+    return ModelShape(model, total, largest, outside, blocks=len(blocks),
+                      largest_tensor=max(p.numel() for p in params), vocab_size=vocab, family=family)
 
 
 class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
@@ -337,14 +341,6 @@ def _per_rank_batch(setup: Setup, global_batch: int) -> int:
     return global_batch // per_step
 
 
-@lru_cache(maxsize=32)
-def _largest_tensor(model: str) -> int:
-    """Elements of the model's largest parameter (the embedding, in these models)."""
-    with torch.device("meta"):
-        built, _ = _build(model)
-    return max(p.numel() for p in built.parameters())
-
-
 def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
     """What a rank holds, by category, at the moments one of which is the peak:
     - "forward": the end of forward, every saved activation alive, the loss's gradient made;
@@ -366,7 +362,7 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
     saved = cost.saved(b) - (cost.logits_per_sample * b if shape.family == "t5" else 0)
     tail, last_block = cost.freed_first(b)
     loss = 2 * cost.logits_per_sample * b  # the loss's gradient: log-probabilities and logits
-    biggest = _largest_tensor(setup.model) * width  # the embedding (GPT ties it to the head)
+    biggest = shape.largest_tensor * width  # the embedding (GPT ties it to the head)
     shard = math.ceil(psi / n)
     unit_width = 2 if bf16_weights else width  # FSDP's mixed-precision policy gathers bf16 copies
     root, block = shape.outside_blocks * unit_width, shape.largest_block * unit_width
@@ -421,18 +417,9 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
         bwd.update(params=p + root, grads=g, other=3 * biggest)
     if setup.activation_checkpointing:  # backward recomputes one block at a time
         full = activation_cost(setup.model, setup.seq_len, setup.target_len, **compute)
-        per_block = (full.saved(b) - cost.saved(b)) / max(1, _blocks(setup.model))
+        per_block = (full.saved(b) - cost.saved(b)) / max(1, shape.blocks)
         bwd["activations"] += per_block
     return phases
-
-
-@lru_cache(maxsize=32)
-def _blocks(model: str) -> int:
-    from multigpu.models import transformer_block_types
-
-    with torch.device("meta"):
-        built, _ = _build(model)
-    return sum(isinstance(m, transformer_block_types(built)) for m in built.modules())
 
 
 def largest_batch(setup: Setup, memory_bytes: int) -> Estimate | None:
@@ -505,6 +492,14 @@ def setup_of(record: dict) -> Setup | None:
                  activation_checkpointing=c["activation_checkpointing"], grad_accum_steps=c["grad_accum_steps"],
                  reshard_after_forward=c["extra"].get("reshard_after_forward", True),
                  bucket_cap_mb=c["bucket_cap_mb"], backend=record["provenance"]["backend"])
+
+
+def categories_off(row: dict) -> list[str]:
+    """The categories of an `against_records` row whose estimate is off by more than 10% of
+    the measured category and more than 5% of the measured peak (a few MiB move between
+    categories with the allocator's timing)."""
+    est, meas = row["estimated"], row["measured"]
+    return [c for c in CATEGORIES if abs(est[c] - meas[c]) > max(0.10 * meas[c], 0.05 * meas["total"])]
 
 
 def against_records(records: list[dict]) -> list[dict]:
