@@ -132,11 +132,11 @@ def model_shape(model: str) -> ModelShape:
                               "e.g. params:7.5e9")
         return ModelShape(model, n, largest_block=0, outside_blocks=n, blocks=0, largest_tensor=0,
                           vocab_size=None, family=None)
-    from multigpu.models import transformer_block_types
+    from multigpu.models import transformer_blocks
 
     with torch.device("meta"):
         built, family = _build(model)
-    blocks = [m for m in built.modules() if isinstance(m, transformer_block_types(built))]
+    blocks = transformer_blocks(built)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     params = list(dict.fromkeys(built.parameters()))  # a tied weight once
     total = sum(p.numel() for p in params)
@@ -180,7 +180,7 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
     `target_len`: the decoder's length for encoder-decoder models (default: `seq_len`);
     `weights`: "fp32" or "bf16" (what the layers compute with); `autocast`: bf16 autocast
     around forward (with fp32 weights it also keeps bf16 copies of them)."""
-    from multigpu.models import apply_activation_checkpointing, transformer_block_types
+    from multigpu.models import apply_activation_checkpointing, transformer_blocks
 
     shape = model_shape(model)
     if shape.vocab_size is None:
@@ -197,7 +197,7 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
         apply_activation_checkpointing(built)
     target_len = target_len or seq_len
     saved, tail, last = {}, {}, {}
-    blocks = [m for m in built.modules() if isinstance(m, transformer_block_types(built))]
+    blocks = transformer_blocks(built)
     with mode:
         skip = {t.untyped_storage()._cdata for t in [*built.parameters(), *built.buffers()]}
         for batch in (1, 2):

@@ -20,6 +20,7 @@ class GPTConfig:
     n_head: int
     d_model: int
     seq_len: int  # longest sequence the position table holds
+    tie_embeddings: bool = True  # the head reuses the token embedding's weight (GPT-2)
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len"):
@@ -35,19 +36,24 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Queries, keys and values from three projections, so that a tensor-parallel split of
+    their output features is a split by heads (rank r computes heads r*H/tp ... ): nothing
+    below counts heads, it reads them from the shapes it is given."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x):  # x: (batch, seq, d_model)
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (batch, heads, seq, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # (batch, heads, seq, head_dim); -1 heads: all of them, or this rank's share under TP
+        q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -76,19 +82,26 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 shaped decoder. Embedding, a list of blocks, a final norm and a tied head,
-    so later chapters can cut it into pipeline stages between blocks."""
+    """GPT-2 shaped decoder: embeddings, blocks, a final norm and a head (tied to the token
+    embedding unless `tie_embeddings=False`).
+
+    Made to be cut: the blocks sit in a ModuleDict keyed "0", "1", ..., so a pipeline stage
+    can delete the blocks it does not own and every parameter keeps its name
+    (`blocks.5.mlp.fc.weight` on every stage); a stage without the embeddings (`wte = wpe =
+    None`) takes hidden states instead of token ids, and one without the head (`ln_f =
+    lm_head = None`) returns hidden states."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
         self.apply(self._init_weights)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -96,15 +109,21 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids, labels=None):  # input_ids: (batch, seq)
-        T = input_ids.shape[1]
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence of {T} tokens is longer than the model's {self.cfg.seq_len}")
-        pos = torch.arange(T, device=input_ids.device)
-        x = self.wte(input_ids) + self.wpe(pos)  # (batch, seq, d_model)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (batch, seq, vocab)
+    def forward(self, input_ids=None, labels=None, hidden=None):
+        """input_ids: (batch, seq) token ids, or hidden: (batch, seq, d_model) when this
+        piece of the model has no embeddings. Returns the loss if labels are given, else
+        the logits (batch, seq, vocab), or hidden states if this piece has no head."""
+        if self.wte is not None:
+            T = input_ids.shape[1]
+            if T > self.cfg.seq_len:
+                raise ValueError(f"sequence of {T} tokens is longer than the model's {self.cfg.seq_len}")
+            pos = torch.arange(T, device=input_ids.device)
+            hidden = self.wte(input_ids) + self.wpe(pos)  # (batch, seq, d_model)
+        for block in self.blocks.values():
+            hidden = block(hidden)
+        if self.lm_head is None:
+            return hidden
+        logits = self.lm_head(self.ln_f(hidden))  # (batch, seq, vocab)
         if labels is None:
             return logits
         return loss_from_logits(logits, labels)
@@ -179,6 +198,12 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
     return T5ForConditionalGeneration(t5_config(name))
 
 
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated units, in order (GPT's blocks; T5's encoder then decoder blocks)."""
+    types = transformer_block_types(model)
+    return [m for m in model.modules() if isinstance(m, types)]
+
+
 def transformer_block_types(model: nn.Module) -> tuple[type, ...]:
     """The repeated unit of a model: what checkpointing and FSDP wrap one by one."""
     if isinstance(model, GPT):
@@ -227,6 +252,6 @@ def describe(name: str) -> str:
 
 __all__ = [
     "GPT", "GPTConfig", "PRESETS", "build_model", "compute_loss", "parameter_count",
-    "apply_activation_checkpointing", "transformer_block_types", "vocab_size",
+    "apply_activation_checkpointing", "transformer_block_types", "transformer_blocks", "vocab_size",
     "default_seq_len", "describe",
 ]

@@ -7,11 +7,67 @@ MASTER_PORT in its environment; `init_process_group` reads them ("env://").
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# The grid's dimensions, outermost first (torchtitan's order). Tensor parallelism is the
+# innermost: its ranks are consecutive, which on a GPU server means the GPUs of one node,
+# joined by the fastest links, because TP talks in every layer. Pipeline stages are the
+# outermost: they exchange only activations between neighbours, the least traffic.
+GRID_DIMS = ("pp", "dp", "tp")
+
+
+@dataclass
+class RankGrid:
+    """The processes as a pp x dp x tp grid (picotron's process-group manager, torchtitan's
+    ParallelDims). Rank r sits at (pp, dp, tp) = divmod-wise coordinates of r with tp fastest:
+    ranks r and r+1 differ in their tp coordinate. `mesh` is the same grid as a named
+    `DeviceMesh` (what PyTorch's FSDP2, tensor parallel and pipelining take); `group(dim)`
+    the plain process group of this rank's line along `dim` (what the from-scratch
+    strategies pass to every collective)."""
+
+    sizes: dict[str, int]  # {"pp": ..., "dp": ..., "tp": ...}
+    rank: int
+    mesh: object = None  # torch.distributed.device_mesh.DeviceMesh, or None on one process
+    _groups: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, device_type: str, dp: int = 1, pp: int = 1, tp: int = 1) -> RankGrid:
+        """Every process calls this with the same degrees (creating groups is collective)."""
+        sizes = {"pp": pp, "dp": dp, "tp": tp}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if pp * dp * tp != world:
+            raise ValueError(f"world size {world} != dp {dp} x pp {pp} x tp {tp} = {dp * pp * tp}")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        grid = cls(sizes, rank)
+        if world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            grid.mesh = init_device_mesh(device_type, tuple(sizes[d] for d in GRID_DIMS), mesh_dim_names=GRID_DIMS)
+        return grid
+
+    def size(self, dim: str) -> int:
+        return self.sizes[dim]
+
+    def coord(self, dim: str) -> int:
+        """This rank's index along `dim` (its data-parallel rank, its stage, its TP rank)."""
+        index = GRID_DIMS.index(dim)
+        inner = 1
+        for d in GRID_DIMS[index + 1:]:
+            inner *= self.sizes[d]
+        return (self.rank // inner) % self.sizes[dim]
+
+    def group(self, dim: str):
+        """The process group of the ranks that share every coordinate but `dim` with this one.
+        A dimension that spans the whole world is the default group itself."""
+        if self.sizes[dim] == dist.get_world_size():
+            return dist.group.WORLD
+        if dim not in self._groups:
+            self._groups[dim] = self.mesh.get_group(dim)
+        return self._groups[dim]
 
 
 @dataclass
@@ -21,6 +77,7 @@ class Runtime:
     world_size: int  # number of processes in the job
     device: torch.device
     backend: str  # "nccl" (CUDA GPUs) or "gloo" (CPU)
+    grid: RankGrid | None = None  # the pp x dp x tp grid, built once the run's degrees are known
 
     @property
     def is_main(self) -> bool:

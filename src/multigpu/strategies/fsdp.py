@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from multigpu.models import transformer_block_types
+from multigpu.models import transformer_blocks
 from multigpu.strategies import Parallelized, build_optimizer
 
 
@@ -29,7 +29,7 @@ def prepare(model, cfg, rt) -> Parallelized:
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if cfg.dtype == "bf16-mixed" else MixedPrecisionPolicy())
     if cfg.extra.get("wrap", "blocks") == "blocks":  # "root": one unit, to show why units matter
-        for block in [m for m in model.modules() if isinstance(m, transformer_block_types(model))]:
+        for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     optimizer = build_optimizer(model.parameters(), cfg)

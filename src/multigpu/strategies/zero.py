@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu.models import transformer_block_types
+from multigpu.models import transformer_blocks
 from multigpu.strategies import Parallelized, build_optimizer
 
 
@@ -148,7 +148,7 @@ class Zero:
     def _units(self, model: nn.Module, rt) -> list[FlatShards]:
         """One group per transformer block, gathered and freed around its forward and
         backward; one for the rest (embeddings, final norm, head), gathered for the step."""
-        blocks = [m for m in model.modules() if isinstance(m, transformer_block_types(model))]
+        blocks = transformer_blocks(model)
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         if len(in_blocks) != sum(len(list(b.parameters())) for b in blocks):
             raise ValueError("zero3 needs each parameter in one block only (a weight shared by two blocks "
