@@ -20,7 +20,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--strategy", default=d.strategy, help=f"one of: {', '.join(STRATEGIES)}")
     p.add_argument("--world-size", type=int, default=None, help="processes (default: 1 for single, 2 otherwise)")
-    p.add_argument("--model", default=d.model, help="model preset, e.g. gpt-tiny, gpt2, t5-small")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree, with a data-parallel strategy")
+    p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree, with a data-parallel strategy")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel degree (default: what --world-size leaves after --tp and --pp)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="tensor parallelism: also split the sequence between the blocks (Korthikanti et al.)")
+    p.add_argument("--model", default=d.model,
+                   help="model preset (gpt-tiny, gpt2, t5-small, ...) or a Hugging Face config.json")
     p.add_argument("--global-batch-size", "--batch-size", type=int, default=d.global_batch_size,
                    help="samples per optimizer step, all processes together")
     p.add_argument("--per-rank-batch-size", type=int, default=None,
@@ -42,13 +49,17 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 def _config(args) -> RunConfig:
     world_size = args.world_size if args.world_size is not None else (1 if args.strategy == "single" else 2)
+    extra = {"sequence_parallel": True} if args.sequence_parallel else {}
+    cfg = RunConfig(strategy=args.strategy, world_size=world_size, tp=args.tp, pp=args.pp, dp=args.dp,
+                    model=args.model, extra=extra)
     global_batch_size = args.global_batch_size
     if args.per_rank_batch_size is not None:
         if args.per_rank_batch_size < 1:
             raise ConfigError(f"--per-rank-batch-size must be >= 1, got {args.per_rank_batch_size}")
-        global_batch_size = args.per_rank_batch_size * world_size
-    return RunConfig(
-        strategy=args.strategy, world_size=world_size, model=args.model,
+        if cfg.strategy in STRATEGIES:
+            cfg._validate_degrees()
+            global_batch_size = args.per_rank_batch_size * cfg.degrees["dp"]
+    return cfg.replace(
         global_batch_size=global_batch_size, grad_accum_steps=args.grad_accum_steps,
         seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
         activation_checkpointing=args.activation_checkpointing, dataset=args.dataset, seed=args.seed,
@@ -75,12 +86,15 @@ def cmd_run(args) -> int:
           f"model {cfg.model} ({record['parameters']:,} parameters)")
     if record.get("strategy_report", {}).get("implementation"):
         print(f"  implementation  {record['strategy_report']['implementation']}")
-    print(f"  batch       {cfg.global_batch_size} samples per step = {cfg.world_size} x "
+    d = cfg.degrees
+    if d["tp"] > 1 or d["pp"] > 1:
+        print(f"  grid        dp {d['dp']} x pp {d['pp']} x tp {d['tp']} = {cfg.world_size} processes")
+    print(f"  batch       {cfg.global_batch_size} samples per step = {d['dp']} x "
           f"{cfg.per_rank_batch_size} (micro-batches of {cfg.micro_batch_size})")
     print(f"  loss        {record['loss'][0]:.4f} -> {record['loss'][-1]:.4f} over {cfg.steps} steps")
     print(f"  step time   {record['step_time_s'] * 1e3:.1f} ms (median of {record['timed_steps']} steps)")
     print(f"  throughput  {record['tokens_per_s']:,.0f} tokens/s, {record['samples_per_s']:,.1f} samples/s")
-    who = "primary replica" if cfg.strategy == "dp" else "rank 0"
+    who = "primary replica" if cfg.info.one_process else "rank 0"
     print(f"  peak memory, {who}: " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items() if v is not None))
     comm = record["comm_payload_bytes_per_step_by_rank"][0]
     if comm:
@@ -93,7 +107,7 @@ def cmd_check(args) -> int:
 
     cfg = _config(args)
     options = {k: v for k, v in cfg.to_dict().items()
-               if k not in ("strategy", "world_size", "steps", "track_memory", "fault", "extra")}
+               if k not in ("strategy", "world_size", "steps", "track_memory", "fault")}
     result = check(cfg.strategy, cfg.world_size, steps=args.steps, tolerance=args.tolerance, **options)
     if args.json:
         print(json.dumps(result))

@@ -30,7 +30,7 @@ def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 
     # to the CPU, and the reference must not run on the GPU then
     device, _, _ = choose_device(cfg.device, world_size)
     cfg = cfg.replace(device=device)
-    reference = cfg.replace(strategy="single", world_size=1, grad_accum_steps=1, extra={})
+    reference = cfg.replace(strategy="single", world_size=1, tp=1, pp=1, dp=None, grad_accum_steps=1, extra={})
     with tempfile.TemporaryDirectory(prefix="multigpu-check-") as tmp:
         ours_path, ref_path = Path(tmp, "ours.pt"), Path(tmp, "ref.pt")
         ours = launch(cfg, params_path=ours_path, progress=progress)

@@ -11,30 +11,63 @@ import json
 import os
 from dataclasses import dataclass, field
 
-STRATEGIES = {
-    "single": "one process, one device: the reference every strategy is tested against",
-    "ddp": "PyTorch DistributedDataParallel",
-    "ddp-scratch": "data parallel from scratch: bucketed all-reduce overlapped with backward",
-    "dp": "DataParallel: one process, one thread per replica (nn.DataParallel on GPUs, from scratch on CPU)",
-    "zero1": "ZeRO stage 1 from scratch: optimizer state sharded",
-    "zero2": "ZeRO stage 2 from scratch: optimizer state and gradients sharded",
-    "zero3": "ZeRO stage 3 from scratch: optimizer state, gradients and parameters sharded",
-    "zero1-torch": "ZeRO stage 1 with PyTorch's ZeroRedundancyOptimizer and DDP",
-    "fsdp": "FSDP2 fully_shard per block (extra reshard_after_forward: True like ZeRO-3, False like ZeRO-2)",
-    "fsdp1": "FSDP1 FullyShardedDataParallel with transformer_auto_wrap_policy",
-    "deepspeed-zero1": "DeepSpeed ZeRO stage 1",
-    "deepspeed-zero2": "DeepSpeed ZeRO stage 2",
-    "deepspeed-zero3": "DeepSpeed ZeRO stage 3",
+
+@dataclass(frozen=True)
+class Strategy:
+    """One row of the strategy table: everything the rest of the package may know about a
+    strategy without importing it. How it works lives in its module, and nowhere else."""
+
+    module: str  # multigpu.strategies.<module>: its prepare(model, cfg, rt) builds it
+    description: str
+    shards: str  # what a rank holds a part of, rather than the whole
+    zero_stage: int | None = 0  # data parallel: what it shards as a ZeRO stage; None: not data parallel
+    spans: str = "dp"  # the grid dimension the strategy's own name spans (dp: one replica per rank)
+    combines: tuple[str, ...] = ()  # further grid dimensions it can be given (--tp, --pp)
+    one_process: bool = False  # every replica a thread of one process (no process group)
+
+
+_DP = "nothing: every rank holds the whole model"
+STRATEGY_TABLE: dict[str, Strategy] = {
+    "single": Strategy("single", "one process, one device: the reference every strategy is tested against",
+                       "nothing (one device)", spans="none"),
+    "ddp": Strategy("ddp", "PyTorch DistributedDataParallel", _DP),
+    "ddp-scratch": Strategy("ddp_scratch", "data parallel from scratch: bucketed all-reduce overlapped with backward",
+                            _DP),
+    "dp": Strategy("dp", "DataParallel: one process, one thread per replica (nn.DataParallel on GPUs, "
+                         "from scratch on CPU)", _DP, one_process=True),
+    "zero1": Strategy("zero", "ZeRO stage 1 from scratch: optimizer state sharded", "optimizer state", 1),
+    "zero2": Strategy("zero", "ZeRO stage 2 from scratch: optimizer state and gradients sharded",
+                      "optimizer state, gradients", 2),
+    "zero3": Strategy("zero", "ZeRO stage 3 from scratch: optimizer state, gradients and parameters sharded",
+                      "optimizer state, gradients, parameters", 3),
+    "zero1-torch": Strategy("zero_torch", "ZeRO stage 1 with PyTorch's ZeroRedundancyOptimizer and DDP",
+                            "optimizer state (whole tensors)", 1),
+    "fsdp": Strategy("fsdp", "FSDP2 fully_shard per block (extra reshard_after_forward: True like ZeRO-3, "
+                             "False like ZeRO-2)", "optimizer state, gradients, parameters", 3),
+    "fsdp1": Strategy("fsdp1", "FSDP1 FullyShardedDataParallel with transformer_auto_wrap_policy",
+                      "optimizer state, gradients, parameters", 3),
+    "deepspeed-zero1": Strategy("deepspeed", "DeepSpeed ZeRO stage 1", "optimizer state", 1),
+    "deepspeed-zero2": Strategy("deepspeed", "DeepSpeed ZeRO stage 2", "optimizer state, gradients", 2),
+    "deepspeed-zero3": Strategy("deepspeed", "DeepSpeed ZeRO stage 3", "optimizer state, gradients, parameters", 3),
+    "tp-scratch": Strategy("tp_scratch", "tensor parallel from scratch (Megatron): column- and row-parallel "
+                                         "linears, heads split, vocabulary-parallel embedding and loss; "
+                                         "extra sequence_parallel", "every weight matrix, by rows or columns; "
+                                         "activations inside each block (and between blocks with SP)",
+                           zero_stage=None, spans="tp"),
+    "tp": Strategy("tp", "tensor parallel with PyTorch's parallelize_module (Colwise/RowwiseParallel, "
+                         "loss_parallel); extra sequence_parallel", "every weight matrix, by rows or columns; "
+                         "activations inside each block (and between blocks with SP)",
+                   zero_stage=None, spans="tp"),
 }
-# what each strategy shards of the model states, as a ZeRO stage: 1 the optimizer state,
-# 2 also the gradients, 3 also the parameters (FSDP, however it reshards)
-ZERO_STAGE = {"single": 0, "ddp": 0, "ddp-scratch": 0, "dp": 0,
-              "zero1": 1, "zero1-torch": 1, "deepspeed-zero1": 1,
-              "zero2": 2, "deepspeed-zero2": 2,
-              "zero3": 3, "deepspeed-zero3": 3, "fsdp": 3, "fsdp1": 3}
-SHARDED = [s for s in STRATEGIES if ZERO_STAGE[s] > 0]
+# name -> one-line description (what the CLI and the book list)
+STRATEGIES = {name: s.description for name, s in STRATEGY_TABLE.items()}
+# what each data-parallel strategy shards of the model states, as a ZeRO stage: 1 the
+# optimizer state, 2 also the gradients, 3 also the parameters (FSDP, however it reshards)
+ZERO_STAGE = {name: s.zero_stage for name, s in STRATEGY_TABLE.items() if s.zero_stage is not None}
+SHARDED = [name for name, stage in ZERO_STAGE.items() if stage > 0]
 # strategies that run every replica as a thread of one process, not one process each
-ONE_PROCESS = ("single", "dp")
+ONE_PROCESS = tuple(name for name, s in STRATEGY_TABLE.items() if s.one_process or s.spans == "none")
+
 DTYPES = ("fp32", "bf16-mixed")
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
@@ -60,8 +93,11 @@ def max_cpu_workers() -> int:
 @dataclass
 class RunConfig:
     strategy: str = "single"
-    world_size: int = 1
-    model: str = "gpt-tiny"
+    world_size: int = 1  # processes (or, for dp, replicas) = dp x pp x tp
+    tp: int = 1  # tensor-parallel degree: ranks that split every layer
+    pp: int = 1  # pipeline-parallel degree: stages the layers are cut into
+    dp: int | None = None  # data-parallel degree; None: what world_size leaves after tp and pp
+    model: str = "gpt-tiny"  # a preset, or the path of a Hugging Face config.json
     global_batch_size: int = 8  # samples per optimizer step, all ranks together
     grad_accum_steps: int = 1  # micro-batches per optimizer step on each rank
     seq_len: int | None = None  # None: the model preset's default
@@ -82,13 +118,35 @@ class RunConfig:
 
     # -- derived sizes -------------------------------------------------------------
     @property
+    def info(self) -> Strategy:
+        return STRATEGY_TABLE[self.strategy]
+
+    @property
     def processes(self) -> int:
         """Worker processes to start: one per replica, except for one-process strategies."""
         return 1 if self.strategy in ONE_PROCESS else self.world_size
 
     @property
+    def degrees(self) -> dict[str, int]:
+        """{"dp", "pp", "tp"}: the rank grid. A strategy's own name spans what tp and pp leave
+        (`tp --world-size 4` is tp 4; `fsdp --world-size 8 --tp 2` is dp 4 x tp 2)."""
+        rest = max(1, self.world_size // (self.tp * self.pp))
+        if self.info.spans == "tp":
+            return {"dp": 1, "pp": self.pp, "tp": self.world_size // self.pp if self.tp == 1 else self.tp}
+        if self.info.spans == "none":
+            return {"dp": 1, "pp": 1, "tp": 1}
+        return {"dp": self.dp or rest, "pp": self.pp, "tp": self.tp}
+
+    @property
+    def process_degrees(self) -> dict[str, int]:
+        """The grid of processes (a one-process strategy's replicas are threads, not ranks)."""
+        return {"dp": 1, "pp": 1, "tp": 1} if self.processes == 1 else self.degrees
+
+    @property
     def per_rank_batch_size(self) -> int:
-        return self.global_batch_size // self.world_size
+        """Samples per data-parallel rank per optimizer step (the ranks of one tensor- or
+        pipeline-parallel group share theirs)."""
+        return self.global_batch_size // self.degrees["dp"]
 
     @property
     def micro_batch_size(self) -> int:
@@ -102,7 +160,9 @@ class RunConfig:
         from multigpu.models import PRESETS  # local import: models imports torch
 
         _choose("strategy", self.strategy, STRATEGIES)
-        _choose("model preset", self.model, PRESETS)
+        if self.model not in PRESETS and not self.model.endswith(".json"):
+            raise ConfigError(f"unknown model preset {self.model!r}; choose one of: {', '.join(PRESETS)}; "
+                              "or give the path of a Hugging Face config.json")
         _choose("dtype", self.dtype, DTYPES)
         _choose("optimizer", self.optimizer, OPTIMIZERS)
         _choose("device", self.device, DEVICES)
@@ -122,11 +182,15 @@ class RunConfig:
                 f"usefully ({os.cpu_count()} CPU cores, limit {max_cpu_workers()}); "
                 "use fewer processes or a machine with more GPUs"
             )
-        per_step = self.world_size * self.grad_accum_steps
+        self._validate_degrees()
+        dp = self.degrees["dp"]
+        per_step = dp * self.grad_accum_steps
         if self.global_batch_size % per_step:
+            over = (f"world_size={self.world_size}" if dp == self.world_size
+                    else f"dp={dp} data-parallel rank(s)")
             raise ConfigError(
                 f"global_batch_size={self.global_batch_size} does not split evenly over "
-                f"world_size={self.world_size} x grad_accum_steps={self.grad_accum_steps} "
+                f"{over} x grad_accum_steps={self.grad_accum_steps} "
                 f"= {per_step} micro-batches; use a multiple of {per_step}, "
                 f"e.g. {per_step * max(1, round(self.global_batch_size / per_step))}"
             )
@@ -137,8 +201,9 @@ class RunConfig:
             )
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
             raise ConfigError(f"seq_len must be a whole number >= 2, got {self.seq_len!r}")
-        from multigpu.models import max_seq_len
+        from multigpu.models import check_model, max_seq_len
 
+        check_model(self.model)
         if self.seq_len is not None and max_seq_len(self.model) is not None and self.seq_len > max_seq_len(self.model):
             raise ConfigError(
                 f"seq_len={self.seq_len} is longer than model {self.model!r} can take "
@@ -152,12 +217,49 @@ class RunConfig:
             raise ConfigError(
                 f"threads_per_worker must be >= 1 or None, got {self.threads_per_worker!r}"
             )
+        if self.degrees["tp"] > 1:
+            from multigpu.models import default_seq_len, tensor_parallel_problems
+
+            seq_len = self.seq_len or default_seq_len(self.model)
+            problems = tensor_parallel_problems(self.model, self.degrees["tp"], seq_len,
+                                                bool(self.extra.get("sequence_parallel", False)))
+            if problems:
+                raise ConfigError(f"tp={self.degrees['tp']} cannot split {self.model}: " + "; ".join(problems))
         if self.fault is not None:
             _, fault_rank, _ = parse_fault(self.fault)
             if fault_rank >= self.processes:
                 raise ConfigError(f"fault={self.fault!r} names rank {fault_rank}, but this run has "
                                   f"{self.processes} process(es) (ranks 0 to {self.processes - 1})")
         return self
+
+    def _validate_degrees(self) -> None:
+        """The grid must tile the world exactly, and the strategy must know every dimension
+        it is given: said with the arithmetic, before any process starts."""
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+            raise ConfigError(f"dp must be a whole number >= 1 or None, got {self.dp!r}")
+        info, name = self.info, self.strategy
+        given = [d for d in ("tp", "pp") if getattr(self, d) > 1 and d != info.spans]
+        unknown = [d for d in given if d not in info.combines]
+        if unknown:
+            can = ", ".join(f"--{d}" for d in info.combines) or "no other degree"
+            raise ConfigError(f"strategy {name!r} does not combine with {' and '.join(unknown)} "
+                              f"({' '.join(f'{d}={getattr(self, d)}' for d in unknown)}); it takes {can}. "
+                              f"For tensor parallelism alone use --strategy tp or tp-scratch")
+        if info.spans == "tp" and self.dp not in (None, 1):
+            raise ConfigError(f"strategy {name!r} is tensor parallel only: it does not take dp={self.dp}")
+        d = self.degrees
+        uneven = self.dp is None and self.world_size % (self.tp * self.pp)
+        if d["dp"] * d["pp"] * d["tp"] != self.world_size or uneven:
+            if self.dp is not None or info.spans == "tp":
+                raise ConfigError(f"world size {self.world_size} != dp {d['dp']} x pp {d['pp']} x tp {d['tp']} "
+                                  f"= {d['dp'] * d['pp'] * d['tp']}; change --world-size or the degrees")
+            raise ConfigError(f"world size {self.world_size} is not a multiple of pp {self.pp} x tp {self.tp} "
+                              f"= {self.pp * self.tp}, so no data-parallel degree fills it; use a world size "
+                              f"of {self.pp * self.tp}, {2 * self.pp * self.tp}, ...")
 
     # -- serialisation ----------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from multigpu.models import PRESETS
+from multigpu.models import family
 
 
 def markov_tokens(num_samples: int, length: int, vocab: int, seed: int) -> torch.Tensor:
@@ -33,15 +33,15 @@ class TokenDataset(Dataset):
     `labels`, like the sources' dummy translation data set."""
 
     def __init__(self, model: str, kind: str, num_samples: int, seq_len: int, vocab: int, seed: int):
-        family = PRESETS[model][0]
+        decoder_only = family(model) != "t5"  # GPT, or a Hugging Face causal LM
         if kind == "dummy":  # random ids: nothing to learn, cost of a step is all that matters
             g = torch.Generator().manual_seed(seed)
-            n_streams = 2 if family == "gpt" else 3
+            n_streams = 2 if decoder_only else 3
             streams = torch.randint(vocab, (n_streams, num_samples, seq_len), generator=g)
         else:  # learnable: the loss falls within a CPU demo
             seq = markov_tokens(num_samples, seq_len + 1, vocab, seed)
             streams = torch.stack([seq[:, :-1], seq[:, 1:], seq[:, 1:]])
-        if family == "gpt":
+        if decoder_only:
             self.tensors = {"input_ids": streams[0], "labels": streams[1]}
         else:
             # T5 reads the source, the decoder sees the target shifted right by one
@@ -59,7 +59,9 @@ class TokenDataset(Dataset):
 def make_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, seed: int):
     """Each rank loads `batch_size` samples at a time from its own shard.
 
-    `DistributedSampler` shuffles the whole index list with `seed + epoch` (the same on
+    `rank` and `world_size` are the data-parallel ones: ranks that split a model between
+    them (tensor or pipeline parallel) share one data-parallel rank, so they load the same
+    samples. `DistributedSampler` shuffles the whole index list with `seed + epoch` (the same on
     every rank) and rank r takes positions r, r+N, r+2N, ... so the N ranks' k-th batches
     together are exactly the k-th global batch a single process would load. The loader's
     own `shuffle` stays off: the sampler does the shuffling."""

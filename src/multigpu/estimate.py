@@ -66,42 +66,19 @@ class ActivationCost:
 
 def _build(model: str) -> tuple[nn.Module, str]:
     """The model named by `model`: a preset, or a Hugging Face config.json (t5 or gpt2)."""
-    from multigpu.models import GPT, PRESETS, GPTConfig, build_model
+    from multigpu.models import PRESETS, ModelConfigError, build_from_config_file, build_model, family
 
     if model in PRESETS:
         return build_model(model), PRESETS[model][0]
-    path = Path(model)
-    if not path.is_file():
-        raise ConfigError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}), nor a config.json "
-                          "file, nor params:<count> (e.g. params:7.5e9)")
     try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read {path} as a Hugging Face config.json: {e}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path} is not a Hugging Face config.json: it holds a JSON {type(config).__name__}, "
-                          "not an object of settings")
-    kind = config.get("model_type")
-    try:
-        if kind == "t5":
-            from transformers import T5Config, T5ForConditionalGeneration
-
-            cfg = T5Config(**{**config, "dropout_rate": 0.0, "use_cache": False,
-                              "decoder_start_token_id": config.get("decoder_start_token_id", 0),
-                              "pad_token_id": config.get("pad_token_id", 0)})
-            return T5ForConditionalGeneration(cfg), "t5"
-        if kind == "gpt2":
-            # the GPT-2 architecture is the package's GPT; the sizes come from the file
-            return GPT(GPTConfig(vocab_size=config["vocab_size"], n_layer=config["n_layer"],
-                                 n_head=config["n_head"], d_model=config["n_embd"],
-                                 seq_len=config.get("n_positions", 1024))), "gpt"
-    except KeyError as e:
-        raise ConfigError(f"{path}: a {kind} config needs the setting {e.args[0]!r}") from None
-    except Exception as e:  # the config class or the model refused a value (transformers' own checks)
-        raise ConfigError(f"{path}: cannot build a {kind} model from it: {type(e).__name__}: "
-                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
-    raise ConfigError(f"{path}: model_type {kind!r} is not supported; the estimator knows t5 and gpt2 configs "
-                      "(or give params:<count> for model states only)")
+        if family(model) == "causal-lm":
+            kind = json.loads(Path(model).read_text())["model_type"]
+            raise ConfigError(f"{model}: model_type {kind!r} is not supported; the estimator knows t5 and gpt2 "
+                              "configs (or give params:<count> for model states only)")
+        return build_from_config_file(model)
+    except ModelConfigError as e:
+        hint = "" if Path(model).is_file() else ", nor params:<count> (e.g. params:7.5e9)"
+        raise ConfigError(f"{e}{hint}") from None
 
 
 def _fake_model(model: str, dtype: torch.dtype = torch.float32):

@@ -124,14 +124,10 @@ def launch(
         device, backend, why = choose_device(cfg.device, cfg.world_size)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if cfg.strategy == "dp":  # one process: no backend, the replicas are threads
-        import torch
+    if cfg.info.one_process:  # one process: no backend, the replicas are threads
+        import importlib
 
-        n, gpus = cfg.world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0
-        reason = ("the CPU was asked for" if cfg.device == "cpu"
-                  else f"nn.DataParallel needs {n} CUDA GPUs, this machine has {gpus}")
-        why = (f"torch.nn.DataParallel on {n} CUDA GPUs" if device == "cuda"
-               else f"DataParallel from scratch, {n} threads on the CPU ({reason})")
+        why = importlib.import_module(f"multigpu.strategies.{cfg.info.module}").launch_note(cfg, device)
     _say_once(f"multigpu: using {why}")
 
     if port is not None:

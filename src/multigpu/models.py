@@ -6,6 +6,7 @@ Every preset builds from numbers in this file; nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -172,25 +173,144 @@ def t5_config(name: str):
     )
 
 
+# -- models named by a Hugging Face config.json -------------------------------------------
+# A reader's own model arrives as the config.json of a Hugging Face checkpoint (no weights
+# are downloaded: the model is built from the config and initialised from the seed).
+# model_type "gpt2" builds the package's GPT with the file's sizes, "t5" a T5, anything else
+# transformers' AutoModelForCausalLM ("causal-lm", e.g. a Llama).
+
+
+class ModelConfigError(ValueError):
+    """A config.json that cannot become a model; the message says what to change."""
+
+
+def read_config_file(path: str) -> dict:
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise ModelConfigError(f"--model {path!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
+                               "config.json file")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"cannot read {path} as a Hugging Face config.json: {e}") from None
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"{path} is not a Hugging Face config.json: it holds a JSON "
+                               f"{type(config).__name__}, not an object of settings")
+    if not isinstance(config.get("model_type"), str):
+        raise ModelConfigError(f"{path} names no model_type; a Hugging Face config.json says which "
+                               "architecture it is (e.g. \"model_type\": \"llama\")")
+    return config
+
+
+def family(name: str) -> str:
+    """"gpt", "t5" or "causal-lm" (a Hugging Face decoder built from a config.json)."""
+    if name in PRESETS:
+        return PRESETS[name][0]
+    kind = read_config_file(name)["model_type"]
+    return {"gpt2": "gpt", "t5": "t5"}.get(kind, "causal-lm")
+
+
+def build_from_config_file(path: str) -> tuple[nn.Module, str]:
+    """(model, family) from a Hugging Face config.json; a clear error for what cannot be built."""
+    config = read_config_file(path)
+    kind = config["model_type"]
+    try:
+        if kind == "t5":
+            from transformers import T5Config, T5ForConditionalGeneration
+
+            cfg = T5Config(**{**config, "dropout_rate": 0.0, "use_cache": False,
+                              "decoder_start_token_id": config.get("decoder_start_token_id", 0),
+                              "pad_token_id": config.get("pad_token_id", 0)})
+            return T5ForConditionalGeneration(cfg), "t5"
+        if kind == "gpt2":
+            # the GPT-2 architecture is the package's GPT; the sizes come from the file
+            return GPT(GPTConfig(vocab_size=config["vocab_size"], n_layer=config["n_layer"],
+                                 n_head=config["n_head"], d_model=config["n_embd"],
+                                 seq_len=config.get("n_positions", 1024),
+                                 tie_embeddings=config.get("tie_word_embeddings", True))), "gpt"
+        from multigpu.hf import build_causal_lm
+
+        return build_causal_lm(path), "causal-lm"
+    except KeyError as e:
+        raise ModelConfigError(f"{path}: a {kind} config needs the setting {e.args[0]!r}") from None
+    except ModelConfigError:
+        raise
+    except Exception as e:  # the config class or the model refused a value (transformers' own checks)
+        raise ModelConfigError(f"{path}: cannot build a {kind} model from it: {type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+
+
+def check_model(name: str) -> None:
+    """A preset, or a config.json this package can build (read, not built: that is cheap)."""
+    if name not in PRESETS:
+        family(name)
+
+
+def _config_sizes(name: str) -> dict:
+    """The sizes a run needs, for a preset or a config.json: vocab, positions, heads, widths."""
+    if name in GPT_SIZES:
+        c = GPT_SIZES[name]
+        return dict(vocab=c.vocab_size, positions=c.seq_len, heads=c.n_head, kv_heads=c.n_head,
+                    d_model=c.d_model, d_ff=c.d_ff)
+    if name in T5_SIZES:
+        c = t5_config(name)
+        return dict(vocab=c.vocab_size, positions=None, heads=c.num_heads, kv_heads=c.num_heads,
+                    d_model=c.d_model, d_ff=c.d_ff)
+    config = read_config_file(name)
+    get = lambda *keys, default=None: next((config[k] for k in keys if k in config), default)  # noqa: E731
+    heads = get("num_attention_heads", "n_head", "num_heads")
+    return dict(vocab=get("vocab_size"), positions=get("max_position_embeddings", "n_positions"),
+                heads=heads, kv_heads=get("num_key_value_heads", default=heads),
+                d_model=get("hidden_size", "n_embd", "d_model"),
+                d_ff=get("intermediate_size", "n_inner", "d_ff") or 4 * (get("hidden_size", "n_embd") or 0))
+
+
 def vocab_size(name: str) -> int:
-    family, _ = PRESETS[name]
-    return GPT_SIZES[name].vocab_size if family == "gpt" else t5_config(name).vocab_size
+    return _config_sizes(name)["vocab"]
 
 
 def max_seq_len(name: str) -> int | None:
-    """Longest sequence a preset can take (GPT: its position table; T5: no limit)."""
-    return GPT_SIZES[name].seq_len if PRESETS[name][0] == "gpt" else None
+    """Longest sequence a model can take (GPT: its position table; T5: no limit)."""
+    return _config_sizes(name)["positions"]
 
 
 def default_seq_len(name: str) -> int:
-    return PRESETS[name][1]
+    if name in PRESETS:
+        return PRESETS[name][1]
+    return min(max_seq_len(name) or 256, 256)
+
+
+def tensor_parallel_problems(name: str, tp: int, seq_len: int, sequence_parallel: bool) -> list[str]:
+    """What keeps `tp` ranks from splitting this model evenly (empty: nothing). Attention is
+    split by heads (and GQA's key/value heads), the MLP by its hidden width, the embedding and
+    the loss by the vocabulary; sequence parallelism also splits the sequence."""
+    if family(name) == "t5":
+        return ["tensor parallelism here takes GPT-style decoders (a preset gpt-* or a causal LM "
+                "config.json), not T5"]
+    size = _config_sizes(name)
+    needs = [("attention heads", size["heads"]), ("key/value heads", size["kv_heads"]),
+             ("MLP width", size["d_ff"]), ("vocabulary", size["vocab"])]
+    if sequence_parallel:
+        needs.append(("sequence length", seq_len))
+    problems = []
+    for what, n in needs:
+        if n and n % tp:
+            fits = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
+            problems.append(f"tp {tp} does not divide the {n} {what}; use a tp that divides {n} "
+                            f"(e.g. {', '.join(map(str, fits[-4:]))})")
+    return list(dict.fromkeys(problems))
 
 
 def build_model(name: str, seed: int = 0) -> nn.Module:
-    """The same seed gives the same initial weights in every process."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    """A preset or a config.json's model; the same seed gives the same initial weights in
+    every process."""
     torch.manual_seed(seed)
+    if name not in PRESETS:
+        if not name.endswith(".json"):
+            raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        return build_from_config_file(name)[0]
     if PRESETS[name][0] == "gpt":
         return GPT(GPT_SIZES[name])
     from transformers import T5ForConditionalGeneration

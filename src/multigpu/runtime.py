@@ -31,23 +31,29 @@ class RankGrid:
 
     sizes: dict[str, int]  # {"pp": ..., "dp": ..., "tp": ...}
     rank: int
-    mesh: object = None  # torch.distributed.device_mesh.DeviceMesh, or None on one process
+    device_type: str = "cpu"
+    _mesh: object = None
     _groups: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, device_type: str, dp: int = 1, pp: int = 1, tp: int = 1) -> RankGrid:
-        """Every process calls this with the same degrees (creating groups is collective)."""
         sizes = {"pp": pp, "dp": dp, "tp": tp}
         world = dist.get_world_size() if dist.is_initialized() else 1
         if pp * dp * tp != world:
             raise ValueError(f"world size {world} != dp {dp} x pp {pp} x tp {tp} = {dp * pp * tp}")
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        grid = cls(sizes, rank)
-        if world > 1:
+        return cls(sizes, dist.get_rank() if dist.is_initialized() else 0, device_type)
+
+    @property
+    def mesh(self):
+        """The grid as a DeviceMesh with dimensions named pp, dp, tp (`mesh["tp"]` is this
+        rank's TP line). Made on first use, by every rank at the same point of the program
+        (creating its groups is a collective call); a plain data-parallel run never needs it."""
+        if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            grid.mesh = init_device_mesh(device_type, tuple(sizes[d] for d in GRID_DIMS), mesh_dim_names=GRID_DIMS)
-        return grid
+            self._mesh = init_device_mesh(self.device_type, tuple(self.sizes[d] for d in GRID_DIMS),
+                                          mesh_dim_names=GRID_DIMS)
+        return self._mesh
 
     def size(self, dim: str) -> int:
         return self.sizes[dim]

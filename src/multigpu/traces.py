@@ -14,11 +14,13 @@ import torch.distributed as dist
 
 from multigpu.config import RunConfig
 from multigpu.models import build_model, compute_loss, vocab_size
-from multigpu.runtime import Runtime
+from multigpu.runtime import RankGrid, Runtime
 
 
 def _runtime() -> Runtime:
-    return Runtime(dist.get_rank(), dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "gloo")
+    world = dist.get_world_size()
+    return Runtime(dist.get_rank(), dist.get_rank(), world, torch.device("cpu"), "gloo",
+                   RankGrid.build("cpu", dp=world))
 
 
 def _batch(model_name: str, rank: int) -> dict:

@@ -1,5 +1,9 @@
 """The one training loop every strategy shares.
 
+The loop owns the data, the clock and the instruments; the step itself (forward and
+backward over the micro-batches, then the update) is a function the strategy provides
+(`Parallelized.run_step`: the plain micro-batch step, or a pipeline schedule).
+
 Per step it records wall time and the loss. Steps 0 and 1 run under the memory tracker
 (step 0 creates the optimizer state, step 1 is a steady-state step), step 2 under the
 communication counter (step 1 may still hold one-off set-up traffic); the steps after them
@@ -22,7 +26,8 @@ from multigpu.comm import CommCounter, loopback_tx_bytes
 from multigpu.config import RunConfig, parse_fault
 from multigpu.data import TokenDataset, batches, make_loader
 from multigpu.memory import PeakMemoryTracker, empty_breakdown, model_state_bytes
-from multigpu.models import apply_activation_checkpointing, build_model, compute_loss, default_seq_len, vocab_size
+from multigpu.models import apply_activation_checkpointing, build_model, default_seq_len, vocab_size
+from multigpu.runtime import RankGrid
 
 PROGRESS_MARK = "@@multigpu-progress"  # rank 0 prints these lines; the launcher draws a bar
 
@@ -43,8 +48,11 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(cfg: RunConfig, rt) -> dict:
-    """Train `cfg.steps` optimizer steps; return this rank's measurements."""
+def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
+    """Train `cfg.steps` optimizer steps; return this rank's measurements, and with
+    `keep_params` the whole trained weights (gathered from the shards: only when asked,
+    because a full copy of a large model costs as much memory as the model)."""
+    rt.grid = RankGrid.build(rt.device.type, **cfg.process_degrees)
     model = build_model(cfg.model, cfg.seed)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -54,12 +62,15 @@ def train(cfg: RunConfig, rt) -> dict:
 
     seq_len = cfg.seq_len or default_seq_len(cfg.model)
     dataset = TokenDataset(cfg.model, cfg.dataset, cfg.num_samples, seq_len, vocab_size(cfg.model), cfg.seed)
-    # a process's share of a micro-step (dp: one process feeds all its replicas)
-    process_batch = cfg.global_batch_size // (rt.world_size * cfg.grad_accum_steps)
-    loader, sampler = make_loader(dataset, process_batch, rt.rank, rt.world_size, cfg.seed)
+    # data are split by data-parallel rank: the ranks of one tensor-parallel group (and of
+    # one pipeline) see the same samples. A process's share of a micro-step (dp: one
+    # process feeds all its replicas)
+    dp_rank, dp_size = rt.grid.coord("dp"), rt.grid.size("dp")
+    process_batch = cfg.global_batch_size // (dp_size * cfg.grad_accum_steps)
+    loader, sampler = make_loader(dataset, process_batch, dp_rank, dp_size, cfg.seed)
     micro_steps_per_epoch = (cfg.num_samples // cfg.global_batch_size) * cfg.grad_accum_steps
     data = batches(loader, sampler, micro_steps_per_epoch, cfg.steps * cfg.grad_accum_steps)
-    mixed = cfg.dtype == "bf16-mixed"
+    autocast_dtype = torch.bfloat16 if cfg.dtype == "bf16-mixed" else None
 
     losses, step_times_s = [], []
     memory_tracker, comm = None, None
@@ -91,20 +102,10 @@ def train(cfg: RunConfig, rt) -> dict:
         _synchronize(rt.device)
         start = time.perf_counter()
         with counter:
-            par.zero_grad()
-            step_loss = 0.0
-            for micro in range(cfg.grad_accum_steps):
-                batch = {k: v.to(rt.device, non_blocking=True) for k, v in next(data).items()}
-                last = micro == cfg.grad_accum_steps - 1
-                if step <= last_tracked_step:
-                    memory_tracker.next_forward()
-                with (nullcontext() if last else par.no_sync()):
-                    with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=mixed):
-                        loss = compute_loss(par.module, batch) / cfg.grad_accum_steps
-                    par.backward(loss)
-                step_loss += loss.item()
-            par.finish_backward()
-            par.step()
+            micro_batches = [{k: v.to(rt.device, non_blocking=True) for k, v in next(data).items()}
+                             for _ in range(cfg.grad_accum_steps)]
+            mark = (lambda i, t=memory_tracker: t.next_forward()) if step <= last_tracked_step else (lambda i: None)
+            step_loss = par.run_step(micro_batches, autocast_dtype, mark)
         _synchronize(rt.device)
         step_times_s.append(time.perf_counter() - start)
         if step == last_tracked_step:
@@ -136,7 +137,7 @@ def train(cfg: RunConfig, rt) -> dict:
         "comm_sent_bytes": comm.sent_bytes if comm else {},
         "loopback_bytes": loopback_bytes,
         "strategy_report": par.report() if par.report else {},
-        "state_dict": par.full_state_dict(),
+        "state_dict": par.full_state_dict() if keep_params else None,
         "seq_len": seq_len,
         "parameters": parameters,
     }

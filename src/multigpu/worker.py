@@ -52,7 +52,7 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         "loss": loss,
         "model_state_bytes_by_rank": [r["model_states"] for r in results],
         "peak_memory_bytes_by_rank": peak_by_rank,
-        "saved_activation_bytes_by_rank": [m["activations"] for m in peak_by_rank] if cfg.strategy == "dp"
+        "saved_activation_bytes_by_rank": [m["activations"] for m in peak_by_rank] if cfg.info.one_process
         else [r["saved_activation_bytes"] for r in results],
         "cuda_allocator_peak_bytes_by_rank": [r["cuda_allocator_peak_bytes"] for r in results],
         "comm_calls_per_step_by_rank": [r["comm_calls"] for r in results],
@@ -61,8 +61,8 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         # measured: loopback bytes in one step, all ranks together (None if not measurable)
         "loopback_bytes_per_step": results[0]["loopback_bytes"],
         "strategy_report": report,
-        # dp: one process whose replicas are threads, so no backend carries its traffic
-        "provenance": provenance("threads" if cfg.strategy == "dp" else rt.backend, cfg.world_size,
+        # one process whose replicas are threads (dp): no backend carries its traffic
+        "provenance": provenance("threads" if cfg.info.one_process else rt.backend, cfg.world_size,
                                  rt.device.type, torch.get_num_threads()),
     }
 
@@ -117,7 +117,7 @@ def main(argv=None) -> NoReturn:
 
         cfg = RunConfig.from_dict(json.loads(args.config.read_text()))
         rt = runtime.init(args.device)
-        result = train(cfg, rt)
+        result = train(cfg, rt, keep_params=args.save_params)
         state_dict = result.pop("state_dict")
         gathered = [None] * rt.world_size
         dist.all_gather_object(gathered, result)

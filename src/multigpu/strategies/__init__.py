@@ -1,12 +1,14 @@
 """Strategies: how a model is spread over processes and how its gradients meet.
 
-Each strategy is one file with a `prepare(model, cfg, rt) -> Parallelized` function. The
-shared training loop (multigpu.train) only calls what `Parallelized` offers, so every
-strategy is trained, timed and measured by the same code.
+Each strategy is one file with a `prepare(model, cfg, rt) -> Parallelized` function; which
+file serves which name is the strategy table (`multigpu.config.STRATEGY_TABLE`). The shared
+training loop (multigpu.train) times and measures a step function around what
+`Parallelized` offers, so every strategy is trained, timed and measured by the same code.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -14,32 +16,65 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from multigpu.models import compute_loss
+
 
 @dataclass
 class Parallelized:
+    """A model spread by a strategy, and the calls that train it. The plain micro-batch step
+    (`micro_batch_step`) uses the calls below; a strategy whose step is a different
+    algorithm (a pipeline schedule owns its micro-batches) replaces it with `train_step`."""
+
     module: nn.Module  # call this in forward
     optimizer: torch.optim.Optimizer
     model: nn.Module  # the plain model underneath, for reading the trained weights
     no_sync: Callable = nullcontext  # context: accumulate gradients locally, no communication
-    finish_backward: Callable[[], None] = lambda: None  # wait for gradient communication
     tracked: list = field(default_factory=list)  # tensors made in prepare (e.g. buckets)
     report: Callable[[], dict] | None = None  # the strategy's own measurements, for the record
     counts_own_memory: bool = False  # True: `report` gives memory per replica; skip the tracker
-    # the steps of the loop, for strategies that must do more than the plain calls
+    # the calls of a step, for strategies that must do more than the plain ones
     zero_grad: Callable[[], None] | None = None  # default: optimizer.zero_grad(set_to_none=True)
     backward: Callable[[torch.Tensor], None] | None = None  # default: loss.backward()
-    step: Callable[[], None] | None = None  # default: optimizer.step()
+    step: Callable[[], None] | None = None  # finish gradient communication, update; default: optimizer.step()
     gather_state_dict: Callable[[], dict] | None = None  # sharded strategies: gather whole weights
+    train_step: Callable | None = None  # same signature as micro_batch_step, which is the default
 
     def __post_init__(self):
         self.zero_grad = self.zero_grad or (lambda: self.optimizer.zero_grad(set_to_none=True))
         self.backward = self.backward or (lambda loss: loss.backward())
         self.step = self.step or self.optimizer.step
 
+    def run_step(self, micro_batches: list[dict], autocast_dtype=None, before_forward=lambda i: None) -> float:
+        return (self.train_step or micro_batch_step)(self, micro_batches, autocast_dtype, before_forward)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on CPU, on every rank."""
         state = self.gather_state_dict() if self.gather_state_dict else self.model.state_dict()
         return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+def micro_batch_step(par: Parallelized, micro_batches: list[dict], autocast_dtype: torch.dtype | None = None,
+                     before_forward=lambda i: None) -> float:
+    """One optimizer step: forward and backward of each micro-batch, gradients summed
+    locally (no_sync) on all but the last, whose backward communicates; then the update.
+    Each micro-batch's loss is divided by their number, so the gradient is the mean over the
+    whole batch, as one big batch would give. Returns the step's loss.
+    autocast_dtype: forward under autocast to this dtype (bf16 mixed precision), or None.
+    before_forward(i): called before micro-batch i's forward (the memory tracker's marks)."""
+    par.zero_grad()
+    step_loss = 0.0
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        device_type = next(iter(batch.values())).device.type
+        before_forward(i)
+        with (nullcontext() if last else par.no_sync()):
+            mixed = autocast_dtype is not None
+            with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=mixed):
+                loss = compute_loss(par.module, batch) / len(micro_batches)
+            par.backward(loss)
+        step_loss += loss.item()
+    par.step()
+    return step_loss
 
 
 def optimizer_spec(cfg) -> tuple[type[torch.optim.Optimizer], dict]:
@@ -59,10 +94,5 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
 
 
 def prepare(model: nn.Module, cfg, rt) -> Parallelized:
-    from multigpu.strategies import ddp, ddp_scratch, deepspeed, dp, fsdp, fsdp1, single, zero, zero_torch
-
-    by_name = {"single": single, "ddp": ddp, "ddp-scratch": ddp_scratch, "dp": dp,
-               "zero1": zero, "zero2": zero, "zero3": zero, "zero1-torch": zero_torch,
-               "fsdp": fsdp, "fsdp1": fsdp1,
-               "deepspeed-zero1": deepspeed, "deepspeed-zero2": deepspeed, "deepspeed-zero3": deepspeed}
-    return by_name[cfg.strategy].prepare(model, cfg, rt)
+    """The strategy the table names for `cfg.strategy`, applied to `model`."""
+    return importlib.import_module(f"multigpu.strategies.{cfg.info.module}").prepare(model, cfg, rt)

@@ -24,8 +24,9 @@ from multigpu.strategies import Parallelized, build_optimizer
 
 
 class GradBuckets:
-    def __init__(self, params, world_size: int, bucket_cap_mb: float):
-        self.world_size = world_size
+    def __init__(self, params, group, bucket_cap_mb: float):
+        self.group = group  # the data-parallel ranks: the replicas whose gradients are averaged
+        self.world_size = dist.get_world_size(group)
         self.enabled = True  # False inside no_sync(): gradients just accumulate locally
         # Backward produces gradients from the last layer to the first, so we fill buckets
         # in reverse registration order: the first bucket is the first to be ready.
@@ -67,7 +68,7 @@ class GradBuckets:
         while self.next_to_launch < len(self.buckets) and self.missing[self.next_to_launch] == 0:
             flat = self.flat[self.next_to_launch]
             flat.div_(self.world_size)  # sum of (g / N) over N ranks = the average gradient
-            self.handles[self.next_to_launch] = dist.all_reduce(flat, async_op=True)
+            self.handles[self.next_to_launch] = dist.all_reduce(flat, group=self.group, async_op=True)
             self.next_to_launch += 1
 
     def finish(self) -> None:
@@ -97,16 +98,23 @@ class GradBuckets:
 
 
 def prepare(model, cfg, rt) -> Parallelized:
-    with torch.no_grad():  # 1. same starting point everywhere
+    group = rt.grid.group("dp")
+    with torch.no_grad():  # 1. same starting point everywhere: the group's first rank's weights
         for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor, src=0)
+            dist.broadcast(tensor, group=group, group_src=0)
     params = [p for p in model.parameters() if p.requires_grad]
-    buckets = GradBuckets(params, rt.world_size, cfg.bucket_cap_mb)
+    buckets = GradBuckets(params, group, cfg.bucket_cap_mb)
+    optimizer = build_optimizer(params, cfg)
+
+    def step():
+        buckets.finish()  # 3. wait for the last all-reduces, then update with the averages
+        optimizer.step()
+
     return Parallelized(
         module=model,  # no wrapper: forward is the plain model's
-        optimizer=build_optimizer(params, cfg),
+        optimizer=optimizer,
         model=model,
         no_sync=buckets.no_sync,
-        finish_backward=buckets.finish,
+        step=step,
         tracked=buckets.flat,
     )

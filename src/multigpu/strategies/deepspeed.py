@@ -17,6 +17,7 @@ import os
 
 import torch.distributed as dist
 
+from multigpu.config import ZERO_STAGE
 from multigpu.records import ROOT
 from multigpu.strategies import Parallelized, build_optimizer
 
@@ -65,7 +66,7 @@ def import_deepspeed(device_type: str):
 
 def prepare(model, cfg, rt) -> Parallelized:
     deepspeed = import_deepspeed(rt.device.type)
-    stage = int(cfg.strategy[-1])
+    stage = ZERO_STAGE[cfg.strategy]
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=build_optimizer(model.parameters(), cfg),
                                                    config=config(cfg, stage))
 

@@ -226,6 +226,15 @@ class ScratchDataParallel(nn.Module):
         }
 
 
+def launch_note(cfg, device: str) -> str:
+    """What the launcher tells the reader this run will use (no backend: threads)."""
+    n, gpus = cfg.world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0
+    reason = ("the CPU was asked for" if cfg.device == "cpu"
+              else f"nn.DataParallel needs {n} CUDA GPUs, this machine has {gpus}")
+    return (f"torch.nn.DataParallel on {n} CUDA GPUs" if device == "cuda"
+            else f"DataParallel from scratch, {n} threads on the CPU ({reason})")
+
+
 def prepare(model, cfg, rt) -> Parallelized:
     cls = GPUDataParallel if rt.device.type == "cuda" else ScratchDataParallel
     module = cls(model, cfg.world_size)

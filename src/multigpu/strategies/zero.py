@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from multigpu.config import ZERO_STAGE
 from multigpu.models import transformer_blocks
 from multigpu.strategies import Parallelized, build_optimizer
 
@@ -35,10 +36,11 @@ from multigpu.strategies import Parallelized, build_optimizer
 class FlatShards:
     """`params` end to end in `self.full` (N equal shards); `self.shard` is rank r's piece."""
 
-    def __init__(self, params: list[nn.Parameter], rank: int, world_size: int, sharded_storage: bool):
+    def __init__(self, params: list[nn.Parameter], group, sharded_storage: bool):
         if not params:
             raise ValueError("a flat group needs at least one parameter")
-        self.params = params
+        self.params, self.group = params, group
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         # stage 3's bookkeeping: gathered for backward, how many gradients have arrived
         self.in_backward, self.awaiting_backward, self.grads_ready = False, False, 0
         self.numels = [p.numel() for p in params]
@@ -70,7 +72,7 @@ class FlatShards:
         autograd's record of the parameters saved for backward stays valid."""
         if self.full.untyped_storage().size() == 0:
             self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-            dist.all_gather_single(self.full.data, self.shard.data)
+            dist.all_gather_single(self.full.data, self.shard.data, group=self.group)
 
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
@@ -84,7 +86,7 @@ class FlatShards:
                 flat[start:start + n].copy_(p.grad.reshape(-1))
                 p.grad = None
         mine = torch.empty_like(self.shard_grad)
-        dist.reduce_scatter_single(mine, flat)
+        dist.reduce_scatter_single(mine, flat, group=self.group)
         self.shard_grad += mine
 
 
@@ -93,13 +95,15 @@ class Zero:
     steps for stage 1, 2 or 3."""
 
     def __init__(self, model: nn.Module, cfg, rt, stage: int):
-        self.model, self.stage, self.world_size = model, stage, rt.world_size
-        for p in model.parameters():  # every rank starts from rank 0's weights
-            dist.broadcast(p.data, src=0)
+        # the data-parallel ranks share out the model states; rank r below is the r-th of them
+        self.group = rt.grid.group("dp")
+        self.model, self.stage, self.world_size = model, stage, dist.get_world_size(self.group)
+        for p in model.parameters():  # every rank starts from the group's first rank's weights
+            dist.broadcast(p.data, group=self.group, group_src=0)
         if stage < 3:
-            self.groups = [FlatShards(list(model.parameters()), rt.rank, rt.world_size, sharded_storage=False)]
+            self.groups = [FlatShards(list(model.parameters()), self.group, sharded_storage=False)]
         else:
-            self.groups = self._units(model, rt)
+            self.groups = self._units(model)
         self.optimizer = build_optimizer([g.shard for g in self.groups], cfg)
         if stage == 1:  # gradients accumulate into one flat buffer, reduce-scattered once;
             # this rank's shard of their sum goes back into its own window of it
@@ -136,16 +140,16 @@ class Zero:
 
     def _send_to_owners(self, bucket: Bucket) -> None:
         """Each piece of the bucket to the rank that owns it, summed over ranks."""
-        group, rank = self.groups[0], dist.get_rank()
+        group, rank = self.groups[0], dist.get_rank(self.group)
         for owner, lo, hi in group.owners(bucket.start, bucket.end):
             piece = bucket.flat[lo - bucket.start:hi - bucket.start]
-            dist.reduce(piece, dst=owner)
+            dist.reduce(piece, group=self.group, group_dst=owner)
             if owner == rank:
                 group.shard_grad[lo - group.lo:hi - group.lo] += piece
         bucket.flat, bucket.ready = None, 0
 
     # -- stage 3 ------------------------------------------------------------------------
-    def _units(self, model: nn.Module, rt) -> list[FlatShards]:
+    def _units(self, model: nn.Module) -> list[FlatShards]:
         """One group per transformer block, gathered and freed around its forward and
         backward; one for the rest (embeddings, final norm, head), gathered for the step."""
         blocks = transformer_blocks(model)
@@ -154,11 +158,11 @@ class Zero:
             raise ValueError("zero3 needs each parameter in one block only (a weight shared by two blocks "
                              "would be flattened twice)")
         rest = [p for p in model.parameters() if id(p) not in in_blocks]
-        self.root = FlatShards(rest, rt.rank, rt.world_size, sharded_storage=True)
+        self.root = FlatShards(rest, self.group, sharded_storage=True)
         model.register_forward_pre_hook(lambda m, args: self.root.gather())
         units = [self.root]
         for block in blocks:
-            unit = FlatShards(list(block.parameters()), rt.rank, rt.world_size, sharded_storage=True)
+            unit = FlatShards(list(block.parameters()), self.group, sharded_storage=True)
             block.register_forward_pre_hook(lambda m, args, u=unit: u.gather())
             block.register_forward_hook(lambda m, args, out, u=unit: self._after_forward(u, out))
             for p in unit.params:
@@ -199,7 +203,7 @@ class Zero:
         if self.stage == 1:  # this rank's shard of the summed gradients, back into its place
             group = self.groups[0]
             mine = torch.empty_like(group.shard_grad)
-            dist.reduce_scatter_single(mine, self.flat_grad)
+            dist.reduce_scatter_single(mine, self.flat_grad, group=self.group)
             group.shard_grad.copy_(mine)
         if self.stage == 2:  # a bucket holding a parameter this batch did not use
             for bucket in self.buckets:
@@ -219,7 +223,7 @@ class Zero:
         self.optimizer.step()
         if self.stage < 3:  # everyone needs the whole updated model for the next forward
             group = self.groups[0]
-            dist.all_gather_single(group.full.data, group.shard.detach().clone())
+            dist.all_gather_single(group.full.data, group.shard.detach().clone(), group=self.group)
         else:  # a block a late gradient gathered again must not keep its old weights
             for unit in self.groups:
                 unit.free()
@@ -269,7 +273,12 @@ def _buckets(group: FlatShards, cap_mb: float) -> list[Bucket]:
 
 
 def prepare(model, cfg, rt) -> Parallelized:
-    zero = Zero(model, cfg, rt, stage=int(cfg.strategy[-1]))
-    return Parallelized(module=model, optimizer=zero.optimizer, model=model, finish_backward=zero.finish_backward,
-                        zero_grad=zero.zero_grad, step=zero.step, gather_state_dict=zero.gather_state_dict,
+    zero = Zero(model, cfg, rt, stage=ZERO_STAGE[cfg.strategy])
+
+    def step():
+        zero.finish_backward()  # the last gradients to their owners, then the update
+        zero.step()
+
+    return Parallelized(module=model, optimizer=zero.optimizer, model=model, zero_grad=zero.zero_grad, step=step,
+                        gather_state_dict=zero.gather_state_dict,
                         tracked=[nn.ParameterList([g.shard for g in zero.groups])])  # shards and their .grad

@@ -1,0 +1,114 @@
+"""A Hugging Face causal language model built from its config.json alone: random weights,
+no download.
+
+    model = build_causal_lm("path/to/config.json")   # or the folder that holds it
+
+The architecture (layers, heads, grouped-query attention, the tensor-parallel plan) is
+all in the config; a checkpoint's weights would only add the trained values, which a
+lesson on parallelism does not need. For exact parity tests the model is built in fp32,
+with every dropout at 0 and no key/value cache (training needs none).
+
+The package's data for decoder models already gives `labels` as the next tokens
+(labels[t] = input_ids[t + 1]), so the loss is cross-entropy of the logits against the
+labels as they are: handing `labels` to a Hugging Face model would shift them once more.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from multigpu.config import ConfigError
+from multigpu.models import loss_from_logits
+
+# A small Llama: grouped-query attention (4 query heads share 2 key/value heads), RMSNorm,
+# rotary positions, a gated MLP; untied head. 2 and 4 divide every count tensor
+# parallelism cuts (heads, key/value heads, MLP units, vocabulary).
+TINY_LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_dropout": 0.0,
+    "use_cache": False,
+}
+
+
+def write_tiny_llama_config(path: str | Path) -> Path:
+    """Write TINY_LLAMA as a config.json at `path` (a file, or a folder to put it in)."""
+    path = Path(path)
+    if path.suffix != ".json":
+        path = path / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(TINY_LLAMA, indent=2) + "\n")
+    return path
+
+
+def config_file(config_path: str | Path) -> Path:
+    """The config.json itself, given the file or the folder that holds it."""
+    path = Path(config_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no model config at {path}; give a config.json (or its folder), "
+                          "e.g. one written by multigpu.hf.write_tiny_llama_config")
+    return path
+
+
+def load_config(config_path: str | Path):
+    """The transformers config for a config.json, read from disk only."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = config_file(config_path)
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err}); fix the file or write a fresh one "
+                          "with multigpu.hf.write_tiny_llama_config") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} holds a JSON {type(values).__name__}, not an object of config fields")
+    model_type = values.pop("model_type", None)
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{path} has model_type {model_type!r}, which transformers does not know; "
+                          "set model_type to an architecture such as 'llama', 'qwen2' or 'mistral'")
+    values.pop("transformers_version", None)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def build_causal_lm(config_path: str | Path, seed: int = 0) -> nn.Module:
+    """AutoModelForCausalLM from a config.json, random weights from `seed`, fp32, no
+    dropout, no cache. The same seed gives the same weights in every process."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(config_path)
+    for name, value in config.to_dict().items():  # attention_dropout, hidden_dropout, resid_pdrop, ...
+        if isinstance(value, float) and ("dropout" in name or name.endswith("pdrop")):
+            setattr(config, name, 0.0)
+    config.use_cache = False
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as err:  # e.g. an encoder-only or encoder-decoder architecture
+        raise ConfigError(f"{config_file(config_path)}: model_type {config.model_type!r} is not a causal "
+                          f"language model transformers can build ({str(err).splitlines()[0]}); "
+                          "use a decoder such as 'llama'") from None
+    return model.float()
+
+
+def hf_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Mean cross-entropy of a causal LM on the package's batches (labels already shifted)."""
+    return loss_from_logits(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+
+
+__all__ = ["TINY_LLAMA", "build_causal_lm", "hf_loss", "load_config", "write_tiny_llama_config"]

@@ -1,0 +1,376 @@
+"""Tensor parallelism from scratch, Megatron-style: every rank holds a slice of every layer.
+
+Shoeybi et al. 2019 (Megatron-LM, https://arxiv.org/abs/1909.08053, section 3) cut each pair
+of linear layers so that the pair needs no communication in between: the first by its
+output features (column-parallel: rank r computes heads r*H/tp ..., or a slice of the MLP's
+hidden units), the second by its input features (row-parallel: each rank multiplies its
+slice and holds a partial sum of the full output). Two conjugate operators carry all the
+communication, one at each end of such a region:
+
+    f: identity in forward, all-reduce in backward.  Entering: every rank feeds the same X
+       to its slice, so X's gradient is the sum of every slice's contribution.
+    g: all-reduce in forward, identity in backward.  Leaving: the partial sums are added;
+       the gradient of a sum reaches every addend unchanged.
+
+The backward swaps them because they are each other's transpose: "copy X to N ranks" and
+"sum N tensors" are adjoint linear maps. So a block costs two all-reduces in forward (g after
+attention and after the MLP) and two in backward (f before them).
+
+Sequence parallelism (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198) splits g's
+all-reduce into its two halves: leave a region with a reduce-scatter along the sequence (each
+rank keeps seq/tp positions of the sum), enter the next with an all-gather. In between
+(LayerNorms, residual adds) each rank computes and stores only its share of the sequence,
+for the same bytes on the wire. Again the backward swaps them: all-gather <-> reduce-scatter.
+(That paper reuses the letters: its g is our `sp_gather`, its g-bar our `sp_scatter`.)
+
+Every sharded weight is cut from the full single-device weight, so a run starts exactly
+where one device would, and every parameter keeps its single-device name.
+Layout throughout: [batch, seq, hidden], as in models.py (Megatron's own is [seq, batch, hidden]).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from multigpu.models import GPT, GPT_SIZES
+from multigpu.strategies import Parallelized, build_optimizer
+
+SEQ = 1  # the sequence dimension of [batch, seq, hidden]
+
+
+# -- the communication: two collectives along any dim, and the four conjugate operators --------
+# gloo wants contiguous tensors: we send a contiguous copy, never a view or autograd's own grad.
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's x, concatenated along dim (all_gather_single concatenates along dim 0)."""
+    x = x.transpose(0, dim).contiguous()
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    dist.all_gather_single(out, x, group=group)
+    return out.transpose(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The sum of x over ranks, of which this rank keeps its 1/tp along dim."""
+    x = x.transpose(0, dim).contiguous()
+    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+    dist.reduce_scatter_single(out, x, group=group)
+    return out.transpose(0, dim).contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous().clone()  # a fresh tensor: x may be an input, or a grad another node shares
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class CopyToParallelRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce backward (Megatron's _CopyToModelParallelRegion)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromParallelRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward (Megatron's _ReduceFromModelParallelRegion)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Enter a region under SP: all-gather the sequence forward, reduce-scatter it backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, SEQ, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, SEQ, ctx.group), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Leave a region under SP: reduce-scatter the sequence forward, all-gather it backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, SEQ, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, SEQ, ctx.group), None
+
+
+def f(x, group):
+    return CopyToParallelRegion.apply(x, group)
+
+
+def g(x, group):
+    return ReduceFromParallelRegion.apply(x, group)
+
+
+def sp_gather(x, group):
+    return GatherFromSequenceParallelRegion.apply(x, group)
+
+
+def sp_scatter(x, group):
+    return ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def enter_region(x, group, sequence_parallel: bool = False):
+    return sp_gather(x, group) if sequence_parallel else f(x, group)
+
+
+def leave_region(x, group, sequence_parallel: bool = False):
+    return sp_scatter(x, group) if sequence_parallel else g(x, group)
+
+
+# -- the layers ------------------------------------------------------------------------------
+
+def _shard(full: torch.Tensor, dim: int, group, sequence_parallel: bool = False) -> nn.Parameter:
+    """This rank's 1/tp of `full` along dim, as a new Parameter that remembers how it was cut."""
+    piece = full.detach().chunk(dist.get_world_size(group), dim)[dist.get_rank(group)]
+    param = nn.Parameter(piece.clone(), requires_grad=full.requires_grad)
+    param.tensor_parallel_dim = dim  # full_state_dict gathers along it
+    return param
+
+
+def _mark_sequence_parallel(*params) -> None:
+    """These see only seq/tp positions, so their gradients are partial: sum them over the group."""
+    for p in params:
+        if p is not None:
+            p.sequence_parallel = True
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X A_r + b_r. nn.Linear keeps A as (out, in): rank r takes its rows
+    [r*out/tp, (r+1)*out/tp), so its output is that slice of the output features. `enter`:
+    put the input through f (or the SP all-gather); False when the caller did it already."""
+
+    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool = False, enter: bool = True):
+        super().__init__()
+        self.group, self.sequence_parallel, self.enter = group, sequence_parallel, enter
+        self.weight = _shard(linear.weight, 0, group)  # (out/tp, in)
+        self.bias = None if linear.bias is None else _shard(linear.bias, 0, group)  # (out/tp,)
+
+    def forward(self, x):  # x: (batch, seq, in), or (batch, seq/tp, in) under SP
+        if self.enter:
+            x = enter_region(x, self.group, self.sequence_parallel)
+        return F.linear(x, self.weight, self.bias)  # (batch, seq, out/tp): stays split
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_r X_r A_r + b. Rank r takes columns [r*in/tp, (r+1)*in/tp) of the (out, in)
+    weight and multiplies its slice of the input features: a partial sum of the output. The
+    bias is added once, after the reduction (added before it, it would count tp times)."""
+
+    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _shard(linear.weight, 1, group)  # (out, in/tp)
+        self.bias = linear.bias  # (out,): whole on every rank
+        if sequence_parallel:
+            _mark_sequence_parallel(self.bias)  # added to this rank's positions only
+
+    def forward(self, x):  # x: (batch, seq, in/tp)
+        y = leave_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        return y if self.bias is None else y + self.bias  # (batch, seq or seq/tp, out)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r owns the vocabulary rows [r*V/tp, (r+1)*V/tp). Each rank looks up the ids it
+    owns and writes zeros for the others; the sum over ranks (g, or the SP reduce-scatter)
+    is then the full embedding."""
+
+    def __init__(self, embedding: nn.Embedding, group, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _shard(embedding.weight, 0, group)  # (V/tp, d)
+        self.start = dist.get_rank(group) * self.weight.shape[0]
+
+    def forward(self, ids):  # ids: (batch, seq) global token ids
+        elsewhere = (ids < self.start) | (ids >= self.start + self.weight.shape[0])
+        local = (ids - self.start).masked_fill(elsewhere, 0)
+        out = F.embedding(local, self.weight).masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        return leave_region(out, self.group, self.sequence_parallel)  # (batch, seq or seq/tp, d)
+
+
+class SequenceShardedPositions(nn.Module):
+    """Under SP the residual stream holds positions [r*T/tp, (r+1)*T/tp): look up only those.
+    The table stays whole (same Parameter), but each rank's gradient covers its rows only."""
+
+    def __init__(self, wpe: nn.Embedding, group):
+        super().__init__()
+        self.group, self.weight = group, wpe.weight
+        _mark_sequence_parallel(self.weight)
+
+    def forward(self, pos):  # pos: (seq,) -> (seq/tp, d)
+        n = pos.shape[0] // dist.get_world_size(self.group)
+        return F.embedding(pos[dist.get_rank(self.group) * n:][:n], self.weight)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy from logits cut by vocabulary: three all-reduces of one number per token
+    (max, target logit, sum of exponentials) instead of gathering (tokens, V) logits."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, ignore_index):  # logits: (N, V/tp) fp32; labels: (N,)
+        n_local = logits.shape[-1]
+        start = dist.get_rank(group) * n_local
+        top = logits.max(dim=-1).values  # 1. the global max, so that exp() cannot overflow
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top.unsqueeze(-1)
+        mine = (labels >= start) & (labels < start + n_local)  # 2. the target's logit: one rank has it
+        local = (labels - start).clamp(0, n_local - 1)
+        target = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+        dist.all_reduce(target, group=group)
+        exp = shifted.exp()  # 3. the softmax denominator
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        valid = labels != ignore_index
+        count = valid.sum()
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine & valid, valid, count)
+        return torch.where(valid, sum_exp.log() - target, 0.0).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # d(mean loss)/d(logits) = (softmax - onehot) / tokens
+        softmax, local, hit, valid, count = ctx.saved_tensors
+        grad = softmax * valid.unsqueeze(-1)
+        grad.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1).to(grad.dtype))
+        return grad * (grad_loss / count), None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits, labels, group, ignore_index: int = -100):
+    """Mean cross-entropy over every label token, equal to F.cross_entropy on the full logits;
+    local_logits: (..., V/tp), this rank's vocabulary slice; labels: (...) global ids. fp32."""
+    return _VocabParallelCrossEntropy.apply(
+        local_logits.flatten(0, -2).float(), labels.flatten(), group, ignore_index)
+
+
+# -- the model -------------------------------------------------------------------------------
+
+def check_divisible(cfg, tp: int) -> None:
+    """Raise ValueError unless tp splits the heads, the MLP's hidden units and the vocabulary."""
+    name = next((n for n, c in GPT_SIZES.items() if c == cfg), "this model")
+    for count, what in ((cfg.n_head, "attention heads"), (cfg.d_ff, "MLP hidden units"),
+                        (cfg.vocab_size, "vocabulary entries")):
+        if count % tp:
+            raise ValueError(f"tp {tp} does not divide the {count} {what} of {name}; use a tp that divides {count}")
+
+
+class TensorParallelLM(nn.Module):
+    """The GPT with its layers swapped, and the loss computed on vocabulary-sharded logits."""
+
+    def __init__(self, model: GPT, group, sequence_parallel: bool):
+        super().__init__()
+        self.model, self.group, self.sequence_parallel = model, group, sequence_parallel
+
+    def forward(self, input_ids, labels=None):  # input_ids: (batch, seq), the same on every TP rank
+        tp = dist.get_world_size(self.group)
+        if self.sequence_parallel and input_ids.shape[1] % tp:
+            raise ValueError(f"sequence parallelism splits the sequence over tp {tp} ranks, but the "
+                             f"sequence has {input_ids.shape[1]} tokens; use a length divisible by {tp}")
+        logits = self.model(input_ids)  # (batch, seq, vocab/tp): this rank's slice of the vocabulary
+        return logits if labels is None else vocab_parallel_cross_entropy(logits, labels, self.group)
+
+
+def parallelize(model: GPT, group, sequence_parallel: bool = False) -> TensorParallelLM:
+    """Swap the GPT's layers, in place, for their tensor-parallel versions over `group`."""
+    if not isinstance(model, GPT):
+        raise ValueError(f"tp-scratch splits the GPT presets only, not {type(model).__name__}")
+    check_divisible(model.cfg, dist.get_world_size(group))
+    sp = sequence_parallel
+    for block in model.blocks.values():
+        block = getattr(block, "_checkpoint_wrapped_module", block)  # under activation checkpointing
+        attn, mlp = block.attn, block.mlp
+        # q, k and v read the same input: enter the region once for all three (Megatron fuses
+        # them into one matmul), so one f (or one all-gather) per attention, not three
+        attn.register_forward_pre_hook(lambda _, args: (enter_region(args[0], group, sp), *args[1:]))
+        for name in ("q", "k", "v"):
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, sp, enter=False))
+        attn.proj = RowParallelLinear(attn.proj, group, sp)
+        mlp.fc = ColumnParallelLinear(mlp.fc, group, sp)
+        mlp.proj = RowParallelLinear(mlp.proj, group, sp)
+        if sp:
+            _mark_sequence_parallel(*block.ln_1.parameters(), *block.ln_2.parameters())
+    tied = model.lm_head.weight is model.wte.weight
+    model.wte = VocabParallelEmbedding(model.wte, group, sp)
+    head = ColumnParallelLinear(model.lm_head, group, sp)  # logits stay cut by vocabulary
+    if tied:  # the head's rows and the embedding's rows are the same tokens: one Parameter
+        head.weight = model.wte.weight
+    model.lm_head = head
+    if sp:
+        model.wpe = SequenceShardedPositions(model.wpe, group)
+        _mark_sequence_parallel(*model.ln_f.parameters())
+    return TensorParallelLM(model, group, sp)
+
+
+def sync_sequence_parallel_grads(model: nn.Module, group) -> None:
+    """Sum over the group the gradients of parameters that saw only a slice of the sequence
+    (LayerNorms, positions, row-parallel biases), in one all-reduce of a flat buffer."""
+    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat, group=group)
+    for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(summed.view_as(grad))
+
+
+def _unsharded(model: nn.Module, group, read) -> dict[str, torch.Tensor]:
+    model = model.model if isinstance(model, TensorParallelLM) else model
+    out, done = {}, {}
+    # state_dict's names are the single-device ones: checkpoint_wrapper strips its prefix, and
+    # a tied weight appears under both names (gathered once)
+    for name, p in model.state_dict(keep_vars=True).items():
+        if id(p) not in done:
+            t, dim = read(p), getattr(p, "tensor_parallel_dim", None)
+            done[id(p)] = t if t is None or dim is None else _all_gather(t.detach(), dim, group)
+        out[name] = done[id(p)]
+    return out
+
+
+def full_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
+    """Every parameter whole, under the single-device names, on every rank of the group."""
+    return _unsharded(model, group, lambda p: p.detach())
+
+
+def full_grads(model: nn.Module, group) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient whole, under the single-device names (for parity tests)."""
+    return _unsharded(model, group, lambda p: p.grad)
+
+
+def prepare(model, cfg, rt) -> Parallelized:
+    others = {dim: rt.grid.size(dim) for dim in ("dp", "pp") if rt.grid.size(dim) > 1}
+    if others:  # nothing here averages gradients over data-parallel replicas or runs stages
+        raise ValueError(f"tp-scratch runs on a tp-only grid, got {others}; set dp and pp to 1")
+    group = rt.grid.group("tp")
+    sp = bool(cfg.extra.get("sequence_parallel", False))
+    module = parallelize(model, group, sp)
+    optimizer = build_optimizer(model.parameters(), cfg)  # this rank's shards (a tied weight once)
+
+    def step():
+        if sp:
+            sync_sequence_parallel_grads(model, group)
+        optimizer.step()
+
+    return Parallelized(module=module, optimizer=optimizer, model=model, step=step,
+                        gather_state_dict=partial(full_state_dict, model, group))
