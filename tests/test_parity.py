@@ -151,3 +151,39 @@ def test_matches_single_device_on_gpus(strategy):
     """The same parity over NCCL on CUDA GPUs (the reference runs on one GPU)."""
     result = check(strategy, 2, steps=STEPS, tolerance=TOLERANCE, device="cuda", progress=False)
     assert_parity(result, strategy, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", ["tp-scratch", "tp"])
+def test_tensor_parallel_matches_single_device(strategy, world_size, sequence_parallel):
+    """tp ranks, each holding 1/tp of every weight matrix and all seeing the whole batch,
+    train like one process: the sums of partial products differ only in their last bits."""
+    result = check(strategy, world_size, steps=STEPS, tolerance=TOLERANCE, progress=False,
+                   extra={"sequence_parallel": sequence_parallel})
+    assert_parity(result, strategy, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["tp-scratch", "tp"])
+def test_tensor_parallel_with_accumulation_and_checkpointing(strategy):
+    """Two micro-batches, each block recomputed in backward (its collectives issued again),
+    sequence parallelism on: still the single device's training."""
+    result = check(strategy, 2, steps=STEPS, tolerance=TOLERANCE, progress=False, grad_accum_steps=2,
+                   activation_checkpointing=True, extra={"sequence_parallel": True})
+    assert_parity(result, strategy, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_on_a_hugging_face_model(tmp_path):
+    """A reader's own model: a Llama (grouped-query attention, rotary positions, gated MLP)
+    built from a config.json, split by its own base_model_tp_plan."""
+    from multigpu.hf import write_tiny_llama_config
+
+    path = str(write_tiny_llama_config(tmp_path / "config.json"))
+    result = check("tp", 2, steps=STEPS, tolerance=TOLERANCE, progress=False, model=path)
+    assert_parity(result, "tp", 2)

@@ -51,9 +51,14 @@ class FakeMesh:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gpt_matches_single_device(world_size):
     """With and without sequence parallelism, loss_parallel and activation checkpointing."""
-    [parity, seq_error] = zip(*run_spmd(CHECKS, world_size, calls=[
-        ("parity", dict(model="gpt-tiny", cases=GPT_CASES)), ("seq_len_error", dict(seq_len=15))]))
+    calls = [("parity", dict(model="gpt-tiny", cases=GPT_CASES)), ("seq_len_error", dict(seq_len=15))]
+    if world_size == 4:  # TP along the "tp" lines of a dp 2 x tp 2 grid
+        calls.append(("parity", dict(model="gpt-tiny", cases=[{}, SP], dp=2)))
+    [parity, seq_error, *on_grid] = zip(*run_spmd(CHECKS, world_size, calls=calls))
     assert_parity(list(parity), GPT_CASES)
+    for results in on_grid:
+        assert_parity(list(results), [{}, SP])
+        assert results[0][1]["local_hidden_shape"] == (4, 8, 64)  # the sequence cut in 2, not 4
     by_case = {json.dumps(r["case"], sort_keys=True): r for r in parity[0]}
     plain, sp = by_case[json.dumps(NO_LP)], by_case[json.dumps(SP)]
     # the tied head and embedding are still one parameter; both names are in the state dict

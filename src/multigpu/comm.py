@@ -115,3 +115,38 @@ def loopback_tx_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+# -- the link as a latency-bandwidth (alpha-beta) model ----------------------------------
+# A collective of one call that makes each rank send S bytes takes about
+#     t = alpha + beta * S
+# alpha: the fixed cost of a call (latency, synchronisation, launching the algorithm);
+# beta: seconds per byte sent (1 / bandwidth). Hockney's model, as in Thakur et al.,
+# "Optimization of Collective Communication Operations in MPICH" (2005). Fitted to timed
+# calls of one collective on one machine, it turns the bytes a strategy sends into seconds.
+
+
+def fit_alpha_beta(sent_bytes_per_call: list[float], seconds_per_call: list[float]) -> dict:
+    """Least-squares line through (bytes sent, seconds) points, weighted by 1/t so that the
+    small messages (where alpha shows) count as much as the large ones (where beta shows).
+    Returns {"alpha_s", "beta_s_per_byte", "bandwidth_bytes_per_s", "worst_relative_error"}."""
+    import numpy as np
+
+    if len(sent_bytes_per_call) < 2:
+        raise ValueError("an alpha-beta fit needs at least two message sizes")
+    s = np.asarray(sent_bytes_per_call, dtype=float)
+    t = np.asarray(seconds_per_call, dtype=float)
+    w = 1.0 / t  # minimise the relative error of each point
+    a = np.stack([np.ones_like(s), s], axis=1) * w[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(a, t * w, rcond=None)
+    alpha, beta = max(float(alpha), 0.0), max(float(beta), 1e-18)
+    predicted = alpha + beta * s
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_bytes_per_s": 1.0 / beta,
+            "worst_relative_error": float(np.max(np.abs(predicted - t) / t))}
+
+
+def predicted_seconds(log: list[tuple[str, int]], world_size: int, fits: dict[str, dict]) -> float:
+    """Seconds that the collectives of `log` ((kind, payload bytes) as CommCounter records
+    them) take under the alpha-beta `fits` (kind -> fit) of a link with `world_size` ranks."""
+    return sum(fits[kind]["alpha_s"] + fits[kind]["beta_s_per_byte"] * sent_bytes(kind, payload, world_size)
+               for kind, payload in log)

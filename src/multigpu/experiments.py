@@ -194,12 +194,12 @@ _SMALL = [4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024]
 _LARGE = [MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 
 
-def _collective_records(world_size: int, sizes: list[int]) -> list[dict]:
+def _collective_records(world_size: int, sizes: list[int], algorithms: list[str] | None = None) -> list[dict]:
     from multigpu.collectives import ALL_REDUCES, HALVES
     from multigpu.spmd import run_spmd
 
     per_rank = run_spmd("multigpu.collectives:benchmark", world_size, sizes=sizes,
-                        algorithms=[*ALL_REDUCES, *HALVES], timeout_s=900)
+                        algorithms=algorithms or [*ALL_REDUCES, *HALVES], timeout_s=900)
     prov = records.provenance("gloo", world_size, "cpu", threads_per_process(world_size))
     out = []
     for rows in zip(*per_rank):  # the same (size, algorithm) on every rank
@@ -227,6 +227,74 @@ def _collectives_bandwidth() -> list[Job]:
     return [Job(f"all-reduce x{n}, {sizes[0] // 1024} KiB-{sizes[-1] // 1024} KiB" if len(sizes) > 1
                 else f"all-reduce x{n}, {sizes[0] // MiB} MiB", _collective_records, dict(world_size=n, sizes=sizes))
             for n in (2, 4) for sizes in [_SMALL, *([s] for s in _LARGE)]]
+
+
+def _cpu_tp_model() -> tuple[str, int, int]:
+    """(model, global batch, sequence length) of the tensor-parallel experiments."""
+    return ("gpt2", 8, 512) if on_gpus(2) else ("gpt-small", 8, 128)
+
+
+# the library's collectives as benchmark() names them -> CommCounter's kinds
+_LINK_COLLECTIVES = {"library": "all_reduce", "library reduce-scatter": "reduce_scatter",
+                     "library all-gather": "all_gather"}
+
+
+def _link_model_records(world_size: int) -> list[dict]:
+    """The link as alpha + beta x bytes: each library collective timed at message sizes
+    around a tensor-parallel layer's activations (16 KiB to 4 MiB), fitted per collective."""
+    from multigpu.comm import fit_alpha_beta
+
+    sizes = [16 * 1024, 64 * 1024, 256 * 1024, MiB, 4 * MiB]
+    rows = _collective_records(world_size, sizes, list(_LINK_COLLECTIVES))
+    out = []
+    for name, kind in _LINK_COLLECTIVES.items():
+        mine = sorted((r for r in rows if r["algorithm"] == name), key=lambda r: r["size_bytes"])
+        # benchmark's size is the whole tensor: an all-gather's payload is one rank's shard of it
+        payloads = [r["size_bytes"] // world_size if kind == "all_gather" else r["size_bytes"] for r in mine]
+        sent = [sent_bytes(kind, p, world_size) for p in payloads]
+        fit = fit_alpha_beta(sent, [r["time_s"] for r in mine])
+        out.append({"world_size": world_size, "collective": kind, "payload_bytes": payloads,
+                    "sent_bytes": sent, "time_s": [r["time_s"] for r in mine], **fit,
+                    "provenance": mine[0]["provenance"]})
+    return out
+
+
+def _link_model() -> list[Job]:
+    """Alpha-beta fits of this machine's collectives on 2 and 4 processes (or every GPU)."""
+    return [Job(f"alpha-beta x{n}", _link_model_records, dict(world_size=n)) for n in (2, 4)]
+
+
+def _tp_collectives_records(strategy: str, world_size: int, sequence_parallel: bool) -> list[dict]:
+    from multigpu.spmd import run_spmd
+
+    model, batch, seq = _cpu_tp_model()
+    trace = run_spmd("multigpu.traces:tp_collectives", world_size, strategy=strategy, model_name=model,
+                     batch=batch, seq_len=seq, sequence_parallel=sequence_parallel)[0]
+    return [{**trace, "provenance": records.provenance("gloo", world_size, "cpu", threads_per_process(world_size))}]
+
+
+def _tp_collectives() -> list[Job]:
+    """Every collective of one tensor-parallel step, forward and backward, counted and on
+    the wire: both implementations, with and without sequence parallelism, tp 2 and 4."""
+    return [Job(f"{s} tp {n}{' +SP' if sp else ''}", _tp_collectives_records,
+                dict(strategy=s, world_size=n, sequence_parallel=sp))
+            for n in (2, 4) for s in ("tp-scratch", "tp") for sp in (False, True)]
+
+
+def _tp_scaling() -> list[RunConfig]:
+    """Memory by category and step time as tp grows, from scratch and the library's
+    alternated (A B A B) so both see the same noise; with and without sequence parallelism."""
+    model, batch, seq = _cpu_tp_model()
+    base = RunConfig(model=model, global_batch_size=batch, seq_len=seq, steps=8, optimizer="adamw", lr=1e-3,
+                     dataset="dummy", device=ddp_device())
+    runs = [base]
+    for repeat in range(2):
+        for tp in (2, max_world_size()):
+            for sp in (False, True):
+                for strategy in ("tp-scratch", "tp"):
+                    runs.append(base.replace(strategy=strategy, world_size=tp,
+                                             extra={"sequence_parallel": sp, "repeat": repeat}))
+    return runs
 
 
 def _staleness_records(delay: int) -> list[dict]:
@@ -257,6 +325,9 @@ EXPERIMENTS = {
     "fsdp_precision": _fsdp_precision,
     "collectives_bandwidth": _collectives_bandwidth,
     "async_staleness": _async_staleness,
+    "link_model": _link_model,
+    "tp_collectives": _tp_collectives,
+    "tp_scaling": _tp_scaling,
 }
 
 

@@ -232,14 +232,25 @@ def build_from_config_file(path: str) -> tuple[nn.Module, str]:
                                  tie_embeddings=config.get("tie_word_embeddings", True))), "gpt"
         from multigpu.hf import build_causal_lm
 
-        return build_causal_lm(path), "causal-lm"
+        model = build_causal_lm(path)
+        # the package's labels are already the next tokens (as GPT's): the model must not
+        # shift them again, as a Hugging Face causal LM does with its own loss
+        model.loss_function = next_token_loss
+        return model, "causal-lm"
     except KeyError as e:
         raise ModelConfigError(f"{path}: a {kind} config needs the setting {e.args[0]!r}") from None
-    except ModelConfigError:
+    except ValueError as e:
+        if type(e) is ValueError:  # GPTConfig's own checks
+            raise ModelConfigError(f"{path}: cannot build a {kind} model from it: ValueError: {e}") from None
         raise
     except Exception as e:  # the config class or the model refused a value (transformers' own checks)
         raise ModelConfigError(f"{path}: cannot build a {kind} model from it: {type(e).__name__}: "
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+
+
+def next_token_loss(logits, labels, vocab_size=None, **kwargs) -> torch.Tensor:
+    """A Hugging Face model's `loss_function` for labels that are already the next tokens."""
+    return loss_from_logits(logits, labels)
 
 
 def check_model(name: str) -> None:

@@ -65,7 +65,7 @@ def _plain(name: str) -> str:
 
 
 def parity(model: str = "gpt-tiny", cases: list[dict] | None = None, batch: int = 4, seq_len: int = 16,
-           lr: float = 0.1, optimizer: str = "sgd", seed: int = 0) -> list[dict]:
+           lr: float = 0.1, optimizer: str = "sgd", seed: int = 0, dp: int = 1) -> list[dict]:
     """For each case ({"sequence_parallel", "loss_parallel", "activation_checkpointing"}):
     {case, loss, max_loss_diff, max_grad_diff, max_param_diff, worst_param, param_names, dtensor_params,
     loss_is_plain_tensor, local_hidden_shape, comm_calls, comm_payload_bytes, tied}."""
@@ -74,8 +74,8 @@ def parity(model: str = "gpt-tiny", cases: list[dict] | None = None, batch: int 
     from multigpu.strategies.tp import prepare
 
     world = dist.get_world_size()
-    rt = SimpleNamespace(grid=RankGrid.build("cpu", tp=world), device=torch.device("cpu"), world_size=world,
-                         rank=dist.get_rank())
+    rt = SimpleNamespace(grid=RankGrid.build("cpu", dp=dp, tp=world // dp), device=torch.device("cpu"),
+                         world_size=world, rank=dist.get_rank())
     base = _build(model, seed)
     vocab = base.config.vocab_size if hasattr(base, "config") else base.cfg.vocab_size
     g = torch.Generator().manual_seed(seed + 1)  # the same batch on every rank

@@ -182,3 +182,44 @@ def fsdp_collectives(model_name: str = "gpt-tiny", reshard_after_forward: bool =
     traced("backward", loss.backward)
     traced("optimizer step", par.optimizer.step)
     return events
+
+
+def tp_collectives(strategy: str = "tp-scratch", model_name: str = "gpt-small", batch: int = 2,
+                   seq_len: int = 128, sequence_parallel: bool = False) -> dict:
+    """One training step of a tensor-parallel strategy on every rank of the world (tp = N):
+    each collective it issues, by phase (forward, backward), counted by CommCounter and
+    measured on the loopback wire (all ranks' bytes, this machine's gloo traffic)."""
+    from multigpu.comm import CommCounter, loopback_tx_bytes
+    from multigpu.strategies import prepare
+
+    n = dist.get_world_size()
+    rt = Runtime(dist.get_rank(), dist.get_rank(), n, torch.device("cpu"), "gloo", RankGrid.build("cpu", tp=n))
+    cfg = RunConfig(strategy=strategy, world_size=n, model=model_name, global_batch_size=batch, seq_len=seq_len,
+                    extra={"sequence_parallel": sequence_parallel}).validate()
+    par = prepare(build_model(model_name, seed=0), cfg, rt)
+    ids = torch.randint(vocab_size(model_name), (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    batch_ = {"input_ids": ids, "labels": ids}  # every TP rank: the same samples
+    phases = {}
+
+    def measured(phase, work):
+        dist.barrier()
+        wire = loopback_tx_bytes()
+        dist.barrier()
+        with CommCounter(n) as comm:
+            out = work()
+        dist.barrier()
+        after = loopback_tx_bytes()
+        phases[phase] = {"calls": dict(comm.calls), "payload_bytes": dict(comm.payload_bytes),
+                         "log": comm.log,
+                         # the three barriers' own bytes are in it too (a few hundred)
+                         "loopback_bytes": None if wire is None else after - wire}
+        return out
+
+    for _ in range(2):  # the first step sets things up (DTensor's caches); the second is measured
+        phases.clear()
+        par.zero_grad()
+        loss = measured("forward", lambda: compute_loss(par.module, batch_))
+        measured("backward", lambda loss=loss: par.backward(loss))
+        par.step()
+    return {"strategy": strategy, "tp": n, "sequence_parallel": sequence_parallel, "model": model_name,
+            "batch": batch, "seq_len": seq_len, "phases": phases}

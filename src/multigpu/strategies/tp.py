@@ -64,14 +64,15 @@ def concrete_plan(root: nn.Module, patterns: dict[str, object]) -> dict[str, obj
     A checkpointed block hides its children one level down
     (`blocks.0._checkpoint_wrapped_module.attn.q`); we match each module's path with that
     level removed, so one plan serves the model with and without checkpointing."""
-    plan = {}
+    plan, found = {}, set()
     for name, _ in root.named_modules():
         plain = name.replace(WRAPPED, "")
         for pattern, style in patterns.items():
-            if fnmatch.fnmatchcase(plain, pattern) and (pattern.count(".") == plain.count(".")):
+            # fnmatch's "*" also matches dots: ask for as many path levels as the pattern has
+            if fnmatch.fnmatchcase(plain, pattern) and pattern.count(".") == plain.count("."):
                 plan[name] = style
-    missing = [p for p in patterns if not any(fnmatch.fnmatchcase(n.replace(WRAPPED, ""), p)
-                                              for n, _ in root.named_modules())]
+                found.add(pattern)
+    missing = [p for p in patterns if p not in found]
     if missing:
         raise ValueError(f"the tensor-parallel plan names modules this model does not have: {missing}")
     return plan

@@ -1,0 +1,89 @@
+"""The rank grid and the strategy table: degrees checked with their arithmetic before any
+process starts; the grid's coordinates and groups against torch's own DeviceMesh; data split
+by data-parallel rank."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from multigpu import config
+from multigpu.config import STRATEGY_TABLE, ConfigError, RunConfig
+from multigpu.hf import write_tiny_llama_config
+from multigpu.runtime import GRID_DIMS, RankGrid
+
+
+def refused(**fields) -> str:
+    with pytest.raises(ConfigError) as info:
+        RunConfig(**fields).validate()
+    return str(info.value)
+
+
+def test_degrees_that_do_not_tile_the_world_show_the_arithmetic():
+    assert "world size 6 != dp 4 x pp 1 x tp 1 = 4" in refused(strategy="ddp", world_size=6, dp=4)
+    assert "world size 4 != dp 1 x pp 1 x tp 2 = 2" in refused(strategy="tp", world_size=4, tp=2)
+    assert "world size 3 != dp 1 x pp 1 x tp 2 = 2" in refused(strategy="tp-scratch", world_size=3, tp=2)
+
+
+def test_a_strategy_refuses_degrees_it_does_not_take():
+    message = refused(strategy="ddp", world_size=4, tp=2)
+    assert "strategy 'ddp' does not combine with tp (tp=2)" in message
+    assert "use --strategy tp or tp-scratch" in message
+    assert "does not combine with tp and pp" in refused(strategy="zero3", world_size=8, tp=2, pp=2)
+    assert "tensor parallel only: it does not take dp=2" in refused(strategy="tp", world_size=4, dp=2)
+    assert "whole number >= 1" in refused(strategy="tp", world_size=2, tp=0)
+
+
+def test_tp_that_does_not_divide_the_model_is_named():
+    # gpt-tiny: 4 heads, MLP width 256, vocabulary 128
+    message = refused(strategy="tp", world_size=3)
+    assert "tp=3 cannot split gpt-tiny" in message
+    assert "tp 3 does not divide the 4 attention heads; use a tp that divides 4" in message
+    assert "the 128 vocabulary" in message
+    # sequence parallelism also cuts the sequence: 2 does not divide 63
+    message = refused(strategy="tp-scratch", world_size=2, seq_len=63, extra={"sequence_parallel": True})
+    assert "tp 2 does not divide the 63 sequence length" in message
+    RunConfig(strategy="tp-scratch", world_size=2, seq_len=63).validate()  # without SP the sequence stays whole
+    assert "not T5" in refused(strategy="tp", world_size=2, model="t5-tiny")
+
+
+def test_tp_checks_a_config_files_key_value_heads(tmp_path):
+    path = str(write_tiny_llama_config(tmp_path / "config.json"))  # 4 query heads, 2 key/value heads
+    RunConfig(strategy="tp", world_size=2, model=path).validate()
+    assert "tp 4 does not divide the 2 key/value heads" in refused(strategy="tp", world_size=4, model=path)
+
+
+def test_the_table_is_the_one_place_strategies_are_named():
+    assert list(config.STRATEGIES) == list(STRATEGY_TABLE)
+    assert config.SHARDED == [n for n, s in STRATEGY_TABLE.items() if (s.zero_stage or 0) > 0]
+    for info in STRATEGY_TABLE.values():
+        __import__(f"multigpu.strategies.{info.module}")  # every row names a module that exists
+        assert info.description and info.shards
+
+
+@pytest.mark.parametrize("strategy, world_size, tp, dp, expected", [
+    ("ddp", 4, 1, None, {"dp": 4, "pp": 1, "tp": 1}),
+    ("tp", 4, 1, None, {"dp": 1, "pp": 1, "tp": 4}),  # a pure strategy spans the world
+    ("tp-scratch", 2, 2, None, {"dp": 1, "pp": 1, "tp": 2}),
+    ("single", 1, 1, None, {"dp": 1, "pp": 1, "tp": 1}),
+])
+def test_degrees(strategy, world_size, tp, dp, expected):
+    cfg = RunConfig(strategy=strategy, world_size=world_size, tp=tp, dp=dp).validate()
+    assert cfg.degrees == expected
+
+
+def test_tp_ranks_share_their_batch():
+    """Samples per data-parallel rank: under pure TP every rank gets the whole global batch."""
+    cfg = RunConfig(strategy="tp", world_size=4, global_batch_size=8, grad_accum_steps=2).validate()
+    assert (cfg.per_rank_batch_size, cfg.micro_batch_size) == (8, 4)
+
+
+@pytest.mark.parametrize("sizes", [(2, 2, 2), (1, 2, 4), (4, 1, 2), (2, 4, 1)])
+def test_grid_coordinates_put_tp_innermost(sizes):
+    """Rank r = (pp * dp_size + dp) * tp_size + tp, as DeviceMesh lays out a (pp, dp, tp) mesh
+    (row-major): tp ranks are consecutive, pipeline stages the outermost blocks."""
+    pp, dp, tp = sizes
+    world = pp * dp * tp
+    coords = [tuple(RankGrid({"pp": pp, "dp": dp, "tp": tp}, r).coord(d) for d in GRID_DIMS) for r in range(world)]
+    assert coords == list(itertools.product(range(pp), range(dp), range(tp)))
