@@ -88,6 +88,14 @@ class CommCounter(TorchDispatchMode):
         self.log: list[tuple[str, int]] = []  # (kind, payload bytes) in the order issued
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            # A mode runs before tensor subclasses: an op on DTensors (tensor parallel's
+            # loss_parallel, say) would reach us whole, and the collectives DTensor then
+            # issues for it would pass unseen. Declining lets DTensor run first; its
+            # collectives, on plain tensors, come back through here (as CommDebugMode does).
+            return NotImplemented
         if func.namespace in ("c10d", "_c10d_functional"):
             kind = OP_KINDS.get(func._opname)
             if kind is not None:
