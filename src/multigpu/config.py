@@ -225,6 +225,12 @@ class RunConfig:
                                                 bool(self.extra.get("sequence_parallel", False)))
             if problems:
                 raise ConfigError(f"tp={self.degrees['tp']} cannot split {self.model}: " + "; ".join(problems))
+        import importlib
+
+        strategy_module = importlib.import_module(f"multigpu.strategies.{self.info.module}")
+        problems = getattr(strategy_module, "config_problems", lambda cfg: [])(self)
+        if problems:  # what only the strategy itself knows it cannot do
+            raise ConfigError(f"strategy {self.strategy!r}: " + "; ".join(problems))
         if self.fault is not None:
             _, fault_rank, _ = parse_fault(self.fault)
             if fault_rank >= self.processes:

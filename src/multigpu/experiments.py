@@ -241,27 +241,50 @@ _LINK_COLLECTIVES = {"library": "all_reduce", "library reduce-scatter": "reduce_
 
 def _link_model_records(world_size: int) -> list[dict]:
     """The link as alpha + beta x bytes: each library collective timed at message sizes
-    around a tensor-parallel layer's activations (16 KiB to 4 MiB), fitted per collective."""
+    around a tensor-parallel layer's activations (16 KiB to 4 MiB), fitted per collective.
+
+    Fitted to the mean time per call, not the median: a training step pays the sum of its
+    calls, and on a shared CPU a few calls in ten wait a scheduler tick (milliseconds) for a
+    peer to wake up, which the mean keeps and the median hides."""
     from multigpu.comm import fit_alpha_beta
+    from multigpu.spmd import run_spmd
 
     sizes = [16 * 1024, 64 * 1024, 256 * 1024, MiB, 4 * MiB]
-    rows = _collective_records(world_size, sizes, list(_LINK_COLLECTIVES))
+    per_rank = run_spmd("multigpu.collectives:benchmark", world_size, sizes=sizes, algorithms=list(_LINK_COLLECTIVES),
+                        min_time_s=1.0, max_reps=200, timeout_s=900)
+    prov = records.provenance("gloo", world_size, "cpu", threads_per_process(world_size))
     out = []
     for name, kind in _LINK_COLLECTIVES.items():
-        mine = sorted((r for r in rows if r["algorithm"] == name), key=lambda r: r["size_bytes"])
+        rows = [[r for r in rank if r["algorithm"] == name] for rank in per_rank]
+        # a call ends when its slowest rank is done
+        calls = [[max(t) for t in zip(*(rank[i]["times_s"] for rank in rows))] for i in range(len(sizes))]
         # benchmark's size is the whole tensor: an all-gather's payload is one rank's shard of it
-        payloads = [r["size_bytes"] // world_size if kind == "all_gather" else r["size_bytes"] for r in mine]
+        payloads = [s // world_size if kind == "all_gather" else s for s in sizes]
         sent = [sent_bytes(kind, p, world_size) for p in payloads]
-        fit = fit_alpha_beta(sent, [r["time_s"] for r in mine])
-        out.append({"world_size": world_size, "collective": kind, "payload_bytes": payloads,
-                    "sent_bytes": sent, "time_s": [r["time_s"] for r in mine], **fit,
-                    "provenance": mine[0]["provenance"]})
+        mean_s = [statistics.fmean(c) for c in calls]
+        out.append({"world_size": world_size, "collective": kind, "payload_bytes": payloads, "sent_bytes": sent,
+                    "mean_s": mean_s, "median_s": [statistics.median(c) for c in calls],
+                    "calls_timed": [len(c) for c in calls], **fit_alpha_beta(sent, mean_s), "provenance": prov})
     return out
 
 
 def _link_model() -> list[Job]:
     """Alpha-beta fits of this machine's collectives on 2 and 4 processes (or every GPU)."""
     return [Job(f"alpha-beta x{n}", _link_model_records, dict(world_size=n)) for n in (2, 4)]
+
+
+def _tp_width_records(tp: int) -> list[dict]:
+    from multigpu.spmd import run_spmd
+
+    rows = run_spmd("multigpu.tp_bench:mlp_step_times", tp, threads=1, widths=[128, 256, 512, 1024], tokens=1024)[0]
+    prov = records.provenance("gloo" if tp > 1 else "none", tp, "cpu", 1)
+    return [{**row, "provenance": prov} for row in rows]
+
+
+def _tp_width() -> list[Job]:
+    """One Megatron MLP at four widths, on 1 process and on tp 2, one thread each: where the
+    compute saved outweighs the collectives added."""
+    return [Job(f"MLP widths, tp {tp}", _tp_width_records, dict(tp=tp)) for tp in (1, 2)]
 
 
 def _tp_collectives_records(strategy: str, world_size: int, sequence_parallel: bool) -> list[dict]:
@@ -285,8 +308,10 @@ def _tp_scaling() -> list[RunConfig]:
     """Memory by category and step time as tp grows, from scratch and the library's
     alternated (A B A B) so both see the same noise; with and without sequence parallelism."""
     model, batch, seq = _cpu_tp_model()
+    # one thread per process, as one GPU per rank: tp 2 has twice the cores of one device
+    # (tp 4 on a 2-core CPU shares them: it shows the communication, not a speed-up)
     base = RunConfig(model=model, global_batch_size=batch, seq_len=seq, steps=8, optimizer="adamw", lr=1e-3,
-                     dataset="dummy", device=ddp_device())
+                     dataset="dummy", device=ddp_device(), threads_per_worker=None if on_gpus(2) else 1)
     runs = [base]
     for repeat in range(2):
         for tp in (2, max_world_size()):
@@ -327,6 +352,7 @@ EXPERIMENTS = {
     "async_staleness": _async_staleness,
     "link_model": _link_model,
     "tp_collectives": _tp_collectives,
+    "tp_width": _tp_width,
     "tp_scaling": _tp_scaling,
 }
 

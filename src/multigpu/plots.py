@@ -512,3 +512,38 @@ def predicted_vs_measured(rows, records, title="The estimator against every reco
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     return fig
+
+
+def beside(labels: list[str], series: dict[str, list[float]], records, ylabel: str, title: str):
+    """Grouped bars: for each label, one bar per series (measured beside its formula or
+    model), e.g. {"measured": [...], "alpha-beta model": [...]}."""
+    fig, (ax,) = _figure(records)
+    palette = ["#4C72B0", "#DD8452", "#55A868", "#8C8C8C"]
+    width = 0.8 / len(series)
+    pos = list(range(len(labels)))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([p + (i - (len(series) - 1) / 2) * width for p in pos], values, width, label=name, color=palette[i])
+    ax.set_xticks(pos, labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left")
+    return fig
+
+
+def tp_speedup_by_width(widths: list[int], measured: list[float], predicted: list[float], records,
+                        title="Where tensor parallelism pays: one MLP on 2 ranks against 1"):
+    """Speed-up of a tensor-parallel MLP over one rank, by width: measured, and as the
+    alpha-beta model of the link predicts it (half the compute plus the collectives)."""
+    fig, (ax,) = _figure(records)
+    ax.plot(widths, measured, "o-", color="#4C72B0", label="measured")
+    ax.plot(widths, predicted, "s--", color="#DD8452", label="predicted: compute / 2 + alpha-beta collectives")
+    ax.axhline(2, color="#8C8C8C", lw=0.8, ls=":", label="ideal (2 ranks)")
+    ax.axhline(1, color="#C44E52", lw=0.8, ls=":", label="break-even")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(widths, [str(w) for w in widths])
+    ax.set_xlabel("width h of the MLP (h -> 4h -> h)")
+    ax.set_ylabel("speed-up over one rank")
+    ax.set_ylim(0, 2.3)
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower right")
+    return fig

@@ -229,6 +229,16 @@ def tp_mesh_of(rt):
     return init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
 
 
+def config_problems(cfg) -> list[str]:
+    """What RunConfig.validate reports before any process starts."""
+    from multigpu.models import family
+
+    if cfg.extra.get("sequence_parallel") and family(cfg.model) != "gpt":
+        return ["sequence_parallel is implemented for the package's GPT only; run a Hugging Face model "
+                "without --sequence-parallel"]
+    return []
+
+
 def prepare(model, cfg, rt) -> Parallelized:
     extra = cfg.extra or {}
     module = parallelize(model, tp_mesh_of(rt), sequence_parallel=bool(extra.get("sequence_parallel", False)),

@@ -358,6 +358,16 @@ def full_grads(model: nn.Module, group) -> dict[str, torch.Tensor | None]:
     return _unsharded(model, group, lambda p: p.grad)
 
 
+def config_problems(cfg) -> list[str]:
+    """What RunConfig.validate reports before any process starts."""
+    from multigpu.models import family
+
+    if family(cfg.model) != "gpt":
+        return [f"it splits the package's GPT (gpt-* presets, gpt2 config files), not {cfg.model}; "
+                "use --strategy tp for a Hugging Face model"]
+    return []
+
+
 def prepare(model, cfg, rt) -> Parallelized:
     others = {dim: rt.grid.size(dim) for dim in ("dp", "pp") if rt.grid.size(dim) > 1}
     if others:  # nothing here averages gradients over data-parallel replicas or runs stages
