@@ -78,6 +78,16 @@ BAD_INPUTS = {
     "unknown model": (["--model", "gpt5"], "unknown model preset 'gpt5'"),
     "unknown dtype": (["--dtype", "fp8"], "unknown dtype 'fp8'"),
     "unknown optimizer": (["--optimizer", "lion"], "unknown optimizer 'lion'"),
+    # the rank grid: degrees that do not tile the world, or that the strategy does not take
+    "degrees do not multiply": (["--strategy", "ddp", "--world-size", "6", "--dp", "4"],
+                                "world size 6 != dp 4 x pp 1 x tp 1 = 4"),
+    "strategy without tp": (["--strategy", "zero2", "--world-size", "4", "--tp", "2"],
+                            "strategy 'zero2' does not combine with tp (tp=2)"),
+    "tp does not divide the heads": (["--strategy", "tp", "--world-size", "3", "--global-batch-size", "3"],
+                                     "tp 3 does not divide the 4 attention heads"),
+    "sequence not divisible": (["--strategy", "tp-scratch", "--world-size", "2", "--seq-len", "33",
+                                "--sequence-parallel"], "tp 2 does not divide the 33 sequence length"),
+    "config file missing": (["--strategy", "tp", "--model", "no/such/config.json"], "no/such/config.json"),
 }
 
 

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from multigpu.config import ConfigError
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -180,7 +182,7 @@ def t5_config(name: str):
 # transformers' AutoModelForCausalLM ("causal-lm", e.g. a Llama).
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """A config.json that cannot become a model; the message says what to change."""
 
 
