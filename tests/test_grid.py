@@ -29,7 +29,7 @@ def test_degrees_that_do_not_tile_the_world_show_the_arithmetic():
 def test_a_strategy_refuses_degrees_it_does_not_take():
     message = refused(strategy="ddp", world_size=4, tp=2)
     assert "strategy 'ddp' does not combine with tp (tp=2)" in message
-    assert "use --strategy tp or tp-scratch" in message
+    assert "tensor parallelism alone: --strategy tp or tp-scratch" in message
     assert "does not combine with tp and pp" in refused(strategy="zero3", world_size=8, tp=2, pp=2)
     assert "tensor parallel only: it does not take dp=2" in refused(strategy="tp", world_size=4, dp=2)
     assert "whole number >= 1" in refused(strategy="tp", world_size=2, tp=0)

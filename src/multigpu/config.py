@@ -130,12 +130,15 @@ class RunConfig:
     def degrees(self) -> dict[str, int]:
         """{"dp", "pp", "tp"}: the rank grid. A strategy's own name spans what tp and pp leave
         (`tp --world-size 4` is tp 4; `fsdp --world-size 8 --tp 2` is dp 4 x tp 2)."""
-        rest = max(1, self.world_size // (self.tp * self.pp))
-        if self.info.spans == "tp":
-            return {"dp": 1, "pp": self.pp, "tp": self.world_size // self.pp if self.tp == 1 else self.tp}
-        if self.info.spans == "none":
+        spans = self.info.spans
+        if spans == "none":
             return {"dp": 1, "pp": 1, "tp": 1}
-        return {"dp": self.dp or rest, "pp": self.pp, "tp": self.tp}
+        if spans in ("tp", "pp"):  # a tensor- or pipeline-parallel strategy: no data parallelism (yet)
+            other = "pp" if spans == "tp" else "tp"
+            given = getattr(self, spans)
+            return {"dp": 1, other: getattr(self, other),
+                    spans: self.world_size // getattr(self, other) if given == 1 else given}
+        return {"dp": self.dp or max(1, self.world_size // (self.tp * self.pp)), "pp": self.pp, "tp": self.tp}
 
     @property
     def process_degrees(self) -> dict[str, int]:
@@ -252,15 +255,18 @@ class RunConfig:
         unknown = [d for d in given if d not in info.combines]
         if unknown:
             can = ", ".join(f"--{d}" for d in info.combines) or "no other degree"
+            alone = {"tp": "tensor parallelism alone: --strategy tp or tp-scratch",
+                     "pp": "pipeline parallelism alone: a --strategy pp-... (pp-1f1b, pp-gpipe, ...)"}
             raise ConfigError(f"strategy {name!r} does not combine with {' and '.join(unknown)} "
                               f"({' '.join(f'{d}={getattr(self, d)}' for d in unknown)}); it takes {can}. "
-                              f"For tensor parallelism alone use --strategy tp or tp-scratch")
-        if info.spans == "tp" and self.dp not in (None, 1):
-            raise ConfigError(f"strategy {name!r} is tensor parallel only: it does not take dp={self.dp}")
+                              f"For {'; for '.join(alone[d] for d in unknown)}")
+        if info.spans in ("tp", "pp") and self.dp not in (None, 1):
+            kind = "tensor" if info.spans == "tp" else "pipeline"
+            raise ConfigError(f"strategy {name!r} is {kind} parallel only: it does not take dp={self.dp}")
         d = self.degrees
         uneven = self.dp is None and self.world_size % (self.tp * self.pp)
         if d["dp"] * d["pp"] * d["tp"] != self.world_size or uneven:
-            if self.dp is not None or info.spans == "tp":
+            if self.dp is not None or info.spans in ("tp", "pp"):
                 raise ConfigError(f"world size {self.world_size} != dp {d['dp']} x pp {d['pp']} x tp {d['tp']} "
                                   f"= {d['dp'] * d['pp'] * d['tp']}; change --world-size or the degrees")
             raise ConfigError(f"world size {self.world_size} is not a multiple of pp {self.pp} x tp {self.tp} "

@@ -39,22 +39,24 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Queries, keys and values from three projections, so that a tensor-parallel split of
-    their output features is a split by heads (rank r computes heads r*H/tp ... ): nothing
-    below counts heads, it reads them from the shapes it is given."""
+    """Queries, keys and values from one fused projection whose output features are
+    [queries | keys | values], each of `n_head` heads. Nothing below counts heads: they are
+    read from the shapes, so a tensor-parallel rank that holds its slice of each third
+    (heads r*H/tp ... of the queries, keys and values alike) runs this same code on its
+    own heads."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
-        self.q = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model)
-        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x):  # x: (batch, seq, d_model)
-        B, T, _ = x.shape
+        qkv = self.qkv(x)  # (batch, seq, 3 * heads * head_dim); under sequence parallelism the
+        B, T, _ = qkv.shape  # projection gathers the sequence, so its length is read here
+        q, k, v = qkv.chunk(3, dim=2)  # each (batch, seq, heads * head_dim)
         # (batch, heads, seq, head_dim); -1 heads: all of them, or this rank's share under TP
-        q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from multigpu.comm import CommCounter
 from multigpu.models import apply_activation_checkpointing, build_model, compute_loss
+from multigpu.strategies.tp import fused_state_dict
 
 
 def _build(model_name: str, seed: int):
@@ -107,7 +108,8 @@ def parity(model: str = "gpt-tiny", cases: list[dict] | None = None, batch: int 
             loss = par.module(**data)
             hook.remove()
             par.backward(loss)
-        grads = {_plain(n): _whole(p.grad) for n, p in ours.named_parameters()}
+        # the fused attention projection went through QKV: its gradient comes back fused
+        grads = fused_state_dict({_plain(n): _whole(p.grad) for n, p in ours.named_parameters()})
         par.step()
         state = par.full_state_dict()
         if state.keys() != ref_state.keys():

@@ -61,6 +61,9 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         # measured: loopback bytes in one step, all ranks together (None if not measurable)
         "loopback_bytes_per_step": results[0]["loopback_bytes"],
         "strategy_report": report,
+        # a strategy whose ranks each report something of their own (a pipeline stage's events)
+        "strategy_report_by_rank": [r["strategy_report"] for r in results]
+        if len(results) > 1 and any(r["strategy_report"] for r in results[1:]) else None,
         # one process whose replicas are threads (dp): no backend carries its traffic
         "provenance": provenance("threads" if cfg.info.one_process else rt.backend, cfg.world_size,
                                  rt.device.type, torch.get_num_threads()),

@@ -34,6 +34,7 @@ from __future__ import annotations
 import fnmatch
 from contextlib import nullcontext
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -45,7 +46,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from multigpu.models import GPT
+from multigpu.models import GPT, CausalSelfAttention
 from multigpu.strategies import Parallelized, build_optimizer
 
 WRAPPED = "_checkpoint_wrapped_module."  # what activation checkpointing adds to module paths
@@ -80,6 +81,51 @@ def concrete_plan(root: nn.Module, patterns: dict[str, object]) -> dict[str, obj
 
 # -- the package's GPT -------------------------------------------------------------------
 
+class QKV(nn.Module):
+    """Attention's fused [queries | keys | values] projection as three linear layers, which
+    ColwiseParallel can cut each by heads (cut as one, rank 0 would get all the queries and
+    half the keys). Its output is [q | k | v] of the heads this rank holds, the layout the
+    attention splits in three. The from-scratch version cuts the fused weight by thirds
+    instead (tp_scratch.ColumnParallelLinear's `parts`)."""
+
+    def __init__(self, fused: nn.Linear):
+        super().__init__()
+        width = fused.out_features // 3
+        for name, weight, bias in zip("qkv", fused.weight.detach().chunk(3), (
+                fused.bias.detach().chunk(3) if fused.bias is not None else (None,) * 3)):
+            layer = nn.Linear(fused.in_features, width, bias=bias is not None, device=weight.device)
+            with torch.no_grad():
+                layer.weight.copy_(weight)
+                if bias is not None:
+                    layer.bias.copy_(bias)
+            setattr(self, name, layer)
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+def split_qkv(model: GPT) -> GPT:
+    """Every attention's fused projection as a QKV, in place (the weights unchanged)."""
+    for attention in [m for m in model.modules() if isinstance(m, CausalSelfAttention)]:
+        if not isinstance(attention.qkv, QKV):
+            attention.qkv = QKV(attention.qkv)
+    return model
+
+
+def fused_state_dict(state: dict) -> dict:
+    """A state dict of a model whose attention went through QKV, under the single-device
+    names again: blocks.i.attn.qkv.{q,k,v}.weight -> blocks.i.attn.qkv.weight (and bias)."""
+    out = {}
+    for name, value in state.items():
+        head, _, leaf = name.rpartition(".")
+        if head.endswith(".qkv.q"):
+            base = head[:-2]
+            out[f"{base}.{leaf}"] = torch.cat([state[f"{base}.{p}.{leaf}"] for p in "qkv"])
+        elif not (head.endswith(".qkv.k") or head.endswith(".qkv.v")):
+            out[name] = value
+    return out
+
+
 def gpt_plan(sequence_parallel: bool = False, loss_parallel: bool = True) -> dict[str, object]:
     """The plan for models.GPT, by module path ("blocks.*" is every block)."""
     # the residual stream between sublayers: whole on every rank, or cut along the sequence
@@ -94,9 +140,9 @@ def gpt_plan(sequence_parallel: bool = False, loss_parallel: bool = True) -> dic
         # gather the input once per sublayer (SP), or all-reduce its gradient once in
         # backward for q, k and v together (Megatron's "f")
         "blocks.*.attn": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-        "blocks.*.attn.q": ColwiseParallel(),
-        "blocks.*.attn.k": ColwiseParallel(),
-        "blocks.*.attn.v": ColwiseParallel(),
+        "blocks.*.attn.qkv.q": ColwiseParallel(),  # the fused projection, as three (see QKV)
+        "blocks.*.attn.qkv.k": ColwiseParallel(),
+        "blocks.*.attn.qkv.v": ColwiseParallel(),
         "blocks.*.attn.proj": RowwiseParallel(output_layouts=stream),  # all-reduce or reduce-scatter
         "blocks.*.mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
         "blocks.*.mlp.fc": ColwiseParallel(),
@@ -123,6 +169,7 @@ def parallelize_gpt(model: GPT, tp_mesh, sequence_parallel: bool = False, loss_p
     if sequence_parallel:
         _require_divides(tp, cfg.seq_len, "rows of the position table (sequence parallelism cuts it by position)")
     tied = model.lm_head.weight is model.wte.weight
+    split_qkv(model)
     parallelize_module(model, tp_mesh, concrete_plan(model, gpt_plan(sequence_parallel, loss_parallel)))
     if tied:
         model.lm_head.weight = model.wte.weight  # same placement (Shard(0)), same local rows
@@ -246,7 +293,8 @@ def prepare(model, cfg, rt) -> Parallelized:
     optimizer = build_optimizer(model.parameters(), cfg)  # DTensor parameters: each rank updates its shard
 
     def gather_state_dict():  # every parameter whole, under the single-device names
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+        return fused_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
+                                 for k, v in model.state_dict().items()})
 
     return Parallelized(module=module, optimizer=optimizer, model=model, backward=module.backward,
                         gather_state_dict=gather_state_dict)

@@ -145,11 +145,14 @@ def leave_region(x, group, sequence_parallel: bool = False):
 
 # -- the layers ------------------------------------------------------------------------------
 
-def _shard(full: torch.Tensor, dim: int, group, sequence_parallel: bool = False) -> nn.Parameter:
-    """This rank's 1/tp of `full` along dim, as a new Parameter that remembers how it was cut."""
-    piece = full.detach().chunk(dist.get_world_size(group), dim)[dist.get_rank(group)]
-    param = nn.Parameter(piece.clone(), requires_grad=full.requires_grad)
-    param.tensor_parallel_dim = dim  # full_state_dict gathers along it
+def _shard(full: torch.Tensor, dim: int, group, parts: int = 1) -> nn.Parameter:
+    """This rank's 1/tp of `full` along dim, as a new Parameter that remembers how it was cut.
+    parts > 1: `full` is that many tensors laid end to end along dim (a fused [q | k | v]
+    projection): the rank takes its 1/tp of each, end to end."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    pieces = [part.chunk(tp, dim)[rank] for part in full.detach().chunk(parts, dim)]
+    param = nn.Parameter(torch.cat(pieces, dim).clone(), requires_grad=full.requires_grad)
+    param.tensor_parallel_dim, param.tensor_parallel_parts = dim, parts  # how _unsharded puts it back
     return param
 
 
@@ -163,13 +166,17 @@ def _mark_sequence_parallel(*params) -> None:
 class ColumnParallelLinear(nn.Module):
     """Y_r = X A_r + b_r. nn.Linear keeps A as (out, in): rank r takes its rows
     [r*out/tp, (r+1)*out/tp), so its output is that slice of the output features. `enter`:
-    put the input through f (or the SP all-gather); False when the caller did it already."""
+    put the input through f (or the SP all-gather); False when the caller did it already.
+    `parts`: the output features are that many projections end to end (attention's fused
+    [queries | keys | values]: 3); rank r takes its slice of each, so its output is
+    [its queries | its keys | its values], the heads it owns."""
 
-    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool = False, enter: bool = True):
+    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool = False, enter: bool = True,
+                 parts: int = 1):
         super().__init__()
         self.group, self.sequence_parallel, self.enter = group, sequence_parallel, enter
-        self.weight = _shard(linear.weight, 0, group)  # (out/tp, in)
-        self.bias = None if linear.bias is None else _shard(linear.bias, 0, group)  # (out/tp,)
+        self.weight = _shard(linear.weight, 0, group, parts)  # (out/tp, in)
+        self.bias = None if linear.bias is None else _shard(linear.bias, 0, group, parts)  # (out/tp,)
 
     def forward(self, x):  # x: (batch, seq, in), or (batch, seq/tp, in) under SP
         if self.enter:
@@ -301,11 +308,7 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False) -> TensorPar
     for block in model.blocks.values():
         block = getattr(block, "_checkpoint_wrapped_module", block)  # under activation checkpointing
         attn, mlp = block.attn, block.mlp
-        # q, k and v read the same input: enter the region once for all three (Megatron fuses
-        # them into one matmul), so one f (or one all-gather) per attention, not three
-        attn.register_forward_pre_hook(lambda _, args: (enter_region(args[0], group, sp), *args[1:]))
-        for name in ("q", "k", "v"):
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, sp, enter=False))
+        attn.qkv = ColumnParallelLinear(attn.qkv, group, sp, parts=3)  # this rank's heads of q, k and v
         attn.proj = RowParallelLinear(attn.proj, group, sp)
         mlp.fc = ColumnParallelLinear(mlp.fc, group, sp)
         mlp.proj = RowParallelLinear(mlp.proj, group, sp)
@@ -343,9 +346,20 @@ def _unsharded(model: nn.Module, group, read) -> dict[str, torch.Tensor]:
     for name, p in model.state_dict(keep_vars=True).items():
         if id(p) not in done:
             t, dim = read(p), getattr(p, "tensor_parallel_dim", None)
-            done[id(p)] = t if t is None or dim is None else _all_gather(t.detach(), dim, group)
+            done[id(p)] = t if t is None or dim is None else _whole(t.detach(), dim, p.tensor_parallel_parts, group)
         out[name] = done[id(p)]
     return out
+
+
+def _whole(shard: torch.Tensor, dim: int, parts: int, group) -> torch.Tensor:
+    """Undo `_shard`: gather every rank's piece along dim; a fused tensor's pieces come back
+    as [rank 0's q k v | rank 1's q k v | ...] and are regrouped into [all q | all k | all v]."""
+    gathered = _all_gather(shard, dim, group)
+    if parts == 1:
+        return gathered
+    pieces = gathered.chunk(dist.get_world_size(group) * parts, dim)  # rank-major: (rank, part)
+    tp = dist.get_world_size(group)
+    return torch.cat([pieces[r * parts + k] for k in range(parts) for r in range(tp)], dim)
 
 
 def full_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
