@@ -187,3 +187,34 @@ def test_tensor_parallel_on_a_hugging_face_model(tmp_path):
     path = str(write_tiny_llama_config(tmp_path / "config.json"))
     result = check("tp", 2, steps=STEPS, tolerance=TOLERANCE, progress=False, model=path)
     assert_parity(result, "tp", 2)
+
+
+PIPELINES = ["pp-naive", "pp-gpipe-scratch", "pp-1f1b-scratch", "pp-gpipe", "pp-1f1b", "pp-interleaved", "pp-zbv",
+             "pp-dualpipev"]
+
+
+def _deep_gpt(tmp_path, n_layer: int) -> str:
+    """A gpt2 config.json (the package's GPT) with `n_layer` tiny blocks: enough stages for
+    2 per rank on 4 ranks, at gpt-tiny's width."""
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 128, "n_layer": n_layer, "n_head": 4,
+                                "n_embd": 64, "n_positions": 64}))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", PIPELINES)
+def test_pipeline_matches_single_device(strategy, world_size, tmp_path):
+    """p stages (2 per rank for the interleaved and V schedules), as many micro-batches as
+    stages and at least 4, the head tied to the embedding at the other end of the pipeline
+    (its gradient summed between the first and last stage): one device's training."""
+    stages = world_size * (2 if strategy in ("pp-interleaved", "pp-zbv", "pp-dualpipev") else 1)
+    model = "gpt-tiny" if stages <= 2 else "gpt-mini" if stages <= 4 else _deep_gpt(tmp_path, stages)
+    micro = max(4, stages)
+    result = check(strategy, world_size, steps=STEPS, tolerance=TOLERANCE, progress=False, model=model,
+                   grad_accum_steps=micro, global_batch_size=micro * 2 if micro > 4 else 8)
+    assert_parity(result, strategy, world_size)

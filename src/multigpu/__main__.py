@@ -32,7 +32,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="samples per optimizer step, all processes together")
     p.add_argument("--per-rank-batch-size", type=int, default=None,
                    help="samples per optimizer step on each process (sets the global batch to N times it)")
-    p.add_argument("--grad-accum-steps", type=int, default=d.grad_accum_steps)
+    p.add_argument("--grad-accum-steps", "--micro-batches", type=int, default=d.grad_accum_steps,
+                   help="micro-batches per optimizer step (a pipeline schedule's m)")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--dtype", default=d.dtype, help="fp32 or bf16-mixed")
     p.add_argument("--optimizer", default=d.optimizer, help=", ".join(OPTIMIZERS))
@@ -95,7 +96,8 @@ def cmd_run(args) -> int:
     print(f"  step time   {record['step_time_s'] * 1e3:.1f} ms (median of {record['timed_steps']} steps)")
     print(f"  throughput  {record['tokens_per_s']:,.0f} tokens/s, {record['samples_per_s']:,.1f} samples/s")
     who = "primary replica" if cfg.info.one_process else "rank 0"
-    print(f"  peak memory, {who}: " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items() if v is not None))
+    measured = ", ".join(f"{k} {_mib(v)}" for k, v in mem.items() if v is not None)
+    print(f"  peak memory, {who}: " + (measured or "not measured (the memory tracker cannot follow this strategy)"))
     comm = record["comm_payload_bytes_per_step_by_rank"][0]
     if comm:
         print("  collectives per step, rank 0: " + ", ".join(f"{k} {_mib(v)}" for k, v in comm.items()))

@@ -58,6 +58,22 @@ STRATEGY_TABLE: dict[str, Strategy] = {
                          "loss_parallel); extra sequence_parallel", "every weight matrix, by rows or columns; "
                          "activations inside each block (and between blocks with SP)",
                    zero_stage=None, spans="tp"),
+    **{name: Strategy(module, description, "the layers: each rank holds its stage's blocks (and their states)",
+                      zero_stage=None, spans="pp") for name, module, description in [
+        ("pp-naive", "pp_scratch", "naive model parallelism from scratch: layers cut into stages, one "
+                                   "micro-batch through all of them at a time"),
+        ("pp-gpipe-scratch", "pp_scratch", "pipeline from scratch, GPipe: all forwards, then all backwards "
+                                           "(micro-batches: grad_accum_steps)"),
+        ("pp-1f1b-scratch", "pp_scratch", "pipeline from scratch, 1F1B: one forward, one backward, at most "
+                                          "p micro-batches in flight"),
+        ("pp-gpipe", "pp", "torch.distributed.pipelining, ScheduleGPipe"),
+        ("pp-1f1b", "pp", "torch.distributed.pipelining, Schedule1F1B (micro-batches >= stages)"),
+        ("pp-interleaved", "pp", "torch.distributed.pipelining, ScheduleInterleaved1F1B: 2 stages per rank"),
+        ("pp-zbv", "pp", "torch.distributed.pipelining, ScheduleZBVZeroBubble: 2 stages per rank in a V, "
+                         "weight gradients deferred into the bubble"),
+        ("pp-dualpipev", "pp", "torch.distributed.pipelining, ScheduleDualPipeV (DeepSeek): 2 stages per rank "
+                               "in a V"),
+    ]},
 }
 # name -> one-line description (what the CLI and the book list)
 STRATEGIES = {name: s.description for name, s in STRATEGY_TABLE.items()}

@@ -322,6 +322,53 @@ def _tp_scaling() -> list[RunConfig]:
     return runs
 
 
+def _pp_bubble_records(implementation: str, schedule: str, stages: int, ms: list[int]) -> list[dict]:
+    from multigpu.spmd import run_spmd
+
+    rows = run_spmd(f"multigpu.pp_bubble:{implementation}_bubble", stages, schedule=schedule, ms=ms, timeout_s=900)
+    prov = records.provenance("gloo", stages, "cpu", threads_per_process(stages))
+    # one record per (schedule, m): every rank's events, the slowest rank's step
+    return [{**{k: v for k, v in by_rank[0].items() if k not in ("events", "step_start_unix")},
+             "events_by_rank": [r["events"] for r in by_rank], "step_start_unix_by_rank":
+             [r["step_start_unix"] for r in by_rank], "provenance": prov} for by_rank in zip(*rows)]
+
+
+def _pp_bubble() -> list[Job]:
+    """The bubble of every schedule on stages that sleep instead of computing (no core is
+    shared, whatever the machine): p = 2 and 4 stages, m = 1 to 16 micro-batches."""
+    jobs = []
+    for p in (2, 4):
+        for schedule in ("pp-naive", "pp-gpipe-scratch", "pp-1f1b-scratch"):
+            jobs.append(Job(f"{schedule} p={p}", _pp_bubble_records,
+                            dict(implementation="scratch", schedule=schedule, stages=p, ms=[1, 2, 4, 8, 16])))
+        for schedule in ("pp-gpipe", "pp-1f1b", "pp-interleaved", "pp-zbv"):
+            needs = 2 * p if schedule in ("pp-interleaved", "pp-zbv") else p if schedule == "pp-1f1b" else 1
+            jobs.append(Job(f"{schedule} p={p}", _pp_bubble_records,
+                            dict(implementation="library", schedule=schedule, stages=p,
+                                 ms=[m for m in (1, 2, 4, 8, 16) if m >= needs])))
+    return jobs
+
+
+def _pp_schedules() -> list[RunConfig]:
+    """The real model on 2 stages (one per core), every schedule, m = 4, twice, alternated:
+    timelines from the event logs, step times, bytes between the stages."""
+    model, batch, seq = ("gpt2", 8, 256) if on_gpus(2) else ("gpt-small", 8, 128)
+    base = RunConfig(world_size=2, model=model, global_batch_size=batch, seq_len=seq, grad_accum_steps=4, steps=8,
+                     optimizer="adamw", lr=1e-3, dataset="dummy", device=ddp_device(), threads_per_worker=1)
+    names = ["pp-naive", "pp-gpipe-scratch", "pp-gpipe", "pp-1f1b-scratch", "pp-1f1b", "pp-interleaved", "pp-zbv"]
+    return [base.replace(strategy=name, extra={"repeat": r}) for r in range(2) for name in names]
+
+
+def _pp_memory() -> list[RunConfig]:
+    """Activations in flight: GPipe and 1F1B on 2 stages as the micro-batches grow (each
+    micro-batch 2 samples, so the batch grows with them)."""
+    model, seq = ("gpt2", 256) if on_gpus(2) else ("gpt-small", 128)
+    base = RunConfig(world_size=2, model=model, seq_len=seq, steps=3, optimizer="sgd", dataset="dummy",
+                     device=ddp_device(), threads_per_worker=1)
+    return [base.replace(strategy=name, grad_accum_steps=m, global_batch_size=2 * m)
+            for name in ("pp-gpipe-scratch", "pp-1f1b-scratch") for m in (1, 2, 4, 8)]
+
+
 def _staleness_records(delay: int) -> list[dict]:
     from multigpu.asynchronous import train_with_stale_gradients
 
@@ -354,6 +401,9 @@ EXPERIMENTS = {
     "tp_collectives": _tp_collectives,
     "tp_width": _tp_width,
     "tp_scaling": _tp_scaling,
+    "pp_bubble": _pp_bubble,
+    "pp_schedules": _pp_schedules,
+    "pp_memory": _pp_memory,
 }
 
 

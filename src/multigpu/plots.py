@@ -547,3 +547,61 @@ def tp_speedup_by_width(widths: list[int], measured: list[float], predicted: lis
     ax.set_title(title)
     ax.legend(fontsize=8, loc="lower right")
     return fig
+
+
+ACTION_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+
+
+def pipeline_timeline(events_by_rank: list[list[dict]], starts_unix: list[float], records, title: str, ax=None):
+    """One row per rank, one box per action (F forward, B backward, W weight gradient),
+    labelled with its micro-batch; the gaps are the bubble. Ranks are lined up on the wall
+    clock of their step's start (one machine: one clock). A rank holding two stages shows
+    the second stage's boxes hatched."""
+    if ax is None:
+        fig, (ax,) = _figure(records, height=0.55 * len(events_by_rank) + 1.6)
+    else:
+        fig = ax.figure
+    t0 = min(starts_unix)
+    first_stage = [min((e["stage"] for e in events), default=0) for events in events_by_rank]
+    for rank, (events, start) in enumerate(zip(events_by_rank, starts_unix)):
+        for e in events:
+            if e["action"] not in ACTION_COLORS:
+                continue  # communication boxes: shown as gaps, the time a stage waits
+            left = (start - t0 + e["start_s"]) * 1e3
+            width = (e["end_s"] - e["start_s"]) * 1e3
+            ax.barh(rank, width, left=left, height=0.8, color=ACTION_COLORS[e["action"]], edgecolor="white",
+                    hatch="//" if e["stage"] != first_stage[rank] else None, linewidth=0.5)
+            if width > 0:
+                ax.text(left + width / 2, rank, str(e["micro"]), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(events_by_rank)), [f"rank {r}" for r in range(len(events_by_rank))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the step's start")
+    ax.set_title(title, fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ACTION_COLORS.values()]
+    ax.legend(handles, ["forward", "backward", "weight gradient"], fontsize=7, loc="upper center",
+              bbox_to_anchor=(0.5, -0.22), ncols=3)
+    return fig
+
+
+def bubble_vs_formula(rows: list[dict], formulas: dict, records, title="The bubble: measured against the formula"):
+    """Measured bubble fraction (1 - ideal / step) against m, one line per schedule and p,
+    with the formula's curve dashed. `formulas`: label -> function (p, m) -> fraction."""
+    fig, axes = _figure(records, ncols=2, width=8.4, height=3.6)
+    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#8C8C8C"]
+    for ax, p in zip(axes, (2, 4)):
+        mine = [r for r in rows if r["p"] == p]
+        for i, schedule in enumerate(dict.fromkeys(r["schedule"] for r in mine)):
+            pts = sorted((r["m"], 1 - r["ideal_s"] / r["step_s"]) for r in mine if r["schedule"] == schedule)
+            ax.plot(*zip(*pts), "o-", color=palette[i % len(palette)], label=schedule, ms=4)
+        ms = sorted({r["m"] for r in mine})
+        for j, (label, f) in enumerate(formulas.items()):
+            ax.plot(ms, [f(p, m) for m in ms], ls="--", color="k", alpha=0.7 - 0.3 * j, lw=1, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.set_xlabel("micro-batches m")
+        ax.set_title(f"p = {p} stages", fontsize=9)
+        ax.set_ylim(0, 1)
+    axes[0].set_ylabel("bubble: idle share of the step")
+    axes[1].legend(fontsize=7, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    return fig

@@ -25,7 +25,7 @@ from multigpu import strategies
 from multigpu.comm import CommCounter, loopback_tx_bytes
 from multigpu.config import RunConfig, parse_fault
 from multigpu.data import TokenDataset, batches, make_loader
-from multigpu.memory import PeakMemoryTracker, empty_breakdown, model_state_bytes
+from multigpu.memory import CATEGORIES, PeakMemoryTracker, empty_breakdown, model_state_bytes
 from multigpu.models import apply_activation_checkpointing, build_model, default_seq_len, vocab_size
 from multigpu.runtime import RankGrid
 
@@ -120,6 +120,7 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
             print(f"{PROGRESS_MARK} {step + 1} {cfg.steps} {step_loss:.6f}", flush=True)
 
     model_states = model_state_bytes(par.module, par.optimizer)  # what this rank holds between steps
+    not_measured = dict.fromkeys([*CATEGORIES, "total"])
     untracked = [t for s, t in enumerate(step_times_s) if s > max(last_tracked_step, comm_step, 0)]
     return {
         "rank": rt.rank,
@@ -129,8 +130,10 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
         "timed_steps": len(untracked) or len(step_times_s),
         "step_time_includes_tracking": not untracked,  # too few steps to time any cleanly
         "model_states": model_states,
-        "memory": memory_tracker.by_category if memory_tracker else empty_breakdown(),
-        "saved_activation_bytes": memory_tracker.saved_activation_bytes if memory_tracker else 0,
+        "memory": memory_tracker.by_category if memory_tracker else not_measured if par.counts_own_memory
+        else empty_breakdown(),
+        "saved_activation_bytes": memory_tracker.saved_activation_bytes if memory_tracker
+        else None if par.counts_own_memory else 0,
         "cuda_allocator_peak_bytes": torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else None,
         "comm_calls": dict(comm.calls) if comm else {},
         "comm_payload_bytes": dict(comm.payload_bytes) if comm else {},

@@ -31,7 +31,9 @@ class Parallelized:
     no_sync: Callable = nullcontext  # context: accumulate gradients locally, no communication
     tracked: list = field(default_factory=list)  # tensors made in prepare (e.g. buckets)
     report: Callable[[], dict] | None = None  # the strategy's own measurements, for the record
-    counts_own_memory: bool = False  # True: `report` gives memory per replica; skip the tracker
+    # True: no memory tracker on this strategy: `report` gives memory per replica (dp), or
+    # the tracker cannot follow it (then its categories are recorded as None: not measured)
+    counts_own_memory: bool = False
     # the calls of a step, for strategies that must do more than the plain ones
     zero_grad: Callable[[], None] | None = None  # default: optimizer.zero_grad(set_to_none=True)
     backward: Callable[[torch.Tensor], None] | None = None  # default: loss.backward()

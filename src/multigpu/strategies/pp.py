@@ -1,0 +1,330 @@
+"""Pipeline parallelism with PyTorch's library: `torch.distributed.pipelining`.
+
+The model's blocks are cut into stages, one process per stage (or two, see below), and the
+batch into m micro-batches that flow through the stages one after another: while stage 1
+works on micro-batch 0, stage 0 already works on micro-batch 1. What is left idle while the
+pipeline fills and drains is the "bubble": (p-1)/(m+p-1) of the step for p stages (GPipe,
+Huang et al. 2018, https://arxiv.org/abs/1811.06965), so m must be large against p.
+
+The library has three parts, and we use two:
+- `PipelineStage(module, stage_index, num_stages, device, group=...)`: one stage's module
+  and the point-to-point sends and receives around it. Its input and output shapes are
+  learned from the first micro-batch ("dynamic mode"), so every micro-batch must have the
+  same shape.
+- a schedule, which decides the order of forwards (F) and backwards (B) on every rank and
+  runs the loss on the last stage: `schedule.step(input_ids, target=labels, losses=[])`.
+  * `ScheduleGPipe`: all forwards, then all backwards; m activations alive per stage.
+  * `Schedule1F1B` (PipeDream-Flush, Narayanan et al. 2021, https://arxiv.org/abs/2104.04473):
+    after a warm-up, one forward then one backward, so at most p activations are alive.
+  * `ScheduleInterleaved1F1B` (same paper): each rank holds v = 2 stages, r and r+p ("loop"
+    placement); the bubble shrinks to (p-1)/(v*m+p-1), for twice the messages.
+  * `ScheduleZBVZeroBubble` (Qi et al. 2023, https://arxiv.org/abs/2401.10241): the backward
+    split into B (gradient of the input, which the previous stage waits for) and W (gradient
+    of the weights, which nobody waits for), W filling the bubble. Two stages per rank in a
+    "V": rank r holds stages r and 2p-1-r, so rank 0 holds the first and the last stage.
+  * `ScheduleDualPipeV` (DeepSeek-V3, https://arxiv.org/abs/2412.19437): V placement too,
+    forwards and backwards of two micro-batches overlapped; needs m >= 2p.
+- the automatic split, `pipeline(model, mb_args, split_spec={"blocks.2": SplitPoint.BEGINNING})`,
+  which traces the model with torch.export and cuts the graph (`traced_split` below shows
+  it on a small model). It does not work for Hugging Face models with rotary embeddings:
+  they trace, then fail at run time in the first stage (pytorch/pytorch#184361). We cut by
+  hand instead, as torchtitan does: every rank builds the whole GPT from the same seed and
+  deletes what its stages do not own (`pp_split.split_gpt`), so the initial weights and
+  every parameter's name are the single device's.
+
+Two pitfalls the schedules leave to us:
+- gradient scale: with `scale_grads=True` (the default) the schedule divides every
+  gradient by m after the last backward. We instead divide each micro-batch's loss by m,
+  as the plain training loop does, and pass `scale_grads=False`: the gradients are then
+  bit for bit those of one device running the same micro-batches in order.
+- a tied head: GPT-2's head reuses the token embedding, which lives on the first stage
+  while the head lives on the last. Each keeps a copy and the two gradients are summed
+  after the backward (Megatron's "embedding group"); under V placement both copies are on
+  rank 0, and the sum needs no communication.
+
+Options: none. The strategy name picks the schedule (`SCHEDULES`); m is grad_accum_steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from multigpu.models import GPT, loss_from_logits
+from multigpu.strategies import Parallelized, build_optimizer
+from multigpu.strategies.pp_split import split_gpt, sync_tied_embedding, tied_embedding_group
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One row of the schedule table."""
+
+    cls: type  # the library's schedule class
+    stages_per_rank: int  # v: model chunks each rank holds
+    placement: str  # "loop": rank r holds r, r+p, ...; "v": rank r holds r and 2p-1-r
+    needs_m_ge_stages: bool  # the schedule refuses (or hangs with) fewer micro-batches than stages
+
+
+SCHEDULES: dict[str, Schedule] = {
+    "pp-gpipe": Schedule(ScheduleGPipe, 1, "loop", False),
+    "pp-1f1b": Schedule(Schedule1F1B, 1, "loop", True),
+    "pp-interleaved": Schedule(ScheduleInterleaved1F1B, 2, "loop", True),
+    "pp-zbv": Schedule(ScheduleZBVZeroBubble, 2, "v", True),
+    "pp-dualpipev": Schedule(ScheduleDualPipeV, 2, "v", True),
+}
+
+
+def stage_indices(schedule: Schedule, rank: int, p: int) -> list[int]:
+    """The stages rank `rank` of a p-rank pipeline holds, in increasing order."""
+    if schedule.placement == "v":  # down the V and back up: rank 0 holds the first and the last
+        return sorted({rank + k * p if k % 2 == 0 else (k + 1) * p - 1 - rank
+                       for k in range(schedule.stages_per_rank)})
+    return [rank + k * p for k in range(schedule.stages_per_rank)]
+
+
+def stage_rank(schedule: Schedule, stage: int, p: int) -> int:
+    """The rank holding stage `stage` (the inverse of `stage_indices`)."""
+    return next(r for r in range(p) if stage in stage_indices(schedule, r, p))
+
+
+class StageModule(nn.Module):
+    """One stage: a piece of the GPT (`split_gpt`) called with one positional input, as a
+    PipelineStage calls its module: token ids on the first stage, hidden states on the
+    others. The piece is the `piece` submodule; its own names are the single device's.
+    The forward runs under autocast when asked (the backward, run by the schedule, outside
+    it, as in the plain training loop)."""
+
+    def __init__(self, piece: GPT, index: int, num_stages: int, device_type: str):
+        super().__init__()
+        self.piece = piece
+        self.index, self.num_stages = index, num_stages
+        self.device_type = device_type
+        self.autocast_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
+            return self.piece(input_ids=x) if self.index == 0 else self.piece(hidden=x)
+
+
+def build_stages(model: GPT, schedule: Schedule, rank: int, p: int, device: torch.device) -> list[StageModule]:
+    """This rank's stages, each cut from its own copy of the whole model."""
+    num_stages = p * schedule.stages_per_rank
+    return [StageModule(split_gpt(copy.deepcopy(model), i, num_stages), i, num_stages, device.type).to(device)
+            for i in stage_indices(schedule, rank, p)]
+
+
+def _grad(weight: torch.Tensor) -> torch.Tensor:
+    return weight.grad if weight.grad is not None else torch.zeros_like(weight)
+
+
+def sync_tied(stages: list[StageModule], group) -> None:
+    """Give both copies of a tied embedding the sum of their gradients: locally when this
+    rank holds the first and the last stage (V placement), else with the embedding group."""
+    first = next((s for s in stages if s.index == 0), None)
+    last = next((s for s in stages if s.index == s.num_stages - 1), None)
+    if first is last or not stages[0].piece.cfg.tie_embeddings:  # one stage: still one weight
+        return
+    if first is not None and last is not None:
+        a, b = first.piece.wte.weight, last.piece.lm_head.weight
+        total = _grad(a) + _grad(b)
+        a.grad, b.grad = total, total.clone()
+        return
+    for s in (first, last):
+        if s is not None:
+            sync_tied_embedding(s.piece, group, s.index, s.num_stages)
+
+
+def broadcast_loss(loss: float, grid, src: int) -> float:
+    """The loss of the rank holding the last stage (`src`, its pipeline rank), on every rank.
+    pp_split.loss_to_all assumes the last stage on the last rank; under V placement it is
+    on rank 0."""
+    if grid.size("pp") == 1:
+        return loss
+    value = torch.tensor([loss], dtype=torch.float64)
+    dist.broadcast(value, group=grid.group("pp"), group_src=src)
+    return value.item()
+
+
+def microbatch_problem(name: str, m: int, p: int) -> str | None:
+    """Why schedule `name` cannot run m micro-batches on p ranks, or None."""
+    schedule = SCHEDULES[name]
+    stages = p * schedule.stages_per_rank
+    if schedule.needs_m_ge_stages and m < stages:
+        return (f"{name} needs at least as many micro-batches as stages: grad_accum_steps={m} < {stages} "
+                f"stages ({p} ranks x {schedule.stages_per_rank}); use grad_accum_steps >= {stages}"
+                + (" or pp-gpipe, which accepts fewer" if name != "pp-gpipe" else ""))
+    rounds = max(1, m // p)
+    if schedule.cls is ScheduleInterleaved1F1B and m % rounds:  # the library's own rule
+        good = [k for k in range(m, 4 * m) if k % max(1, k // p) == 0][0]
+        return (f"{name} runs the micro-batches in rounds of p={p}: grad_accum_steps={m} is not a multiple "
+                f"of its {rounds} rounds; use e.g. grad_accum_steps={good}")
+    return None
+
+
+def _n_layer(model_name: str) -> int | None:
+    from multigpu.models import GPT_SIZES, read_config_file
+
+    if model_name in GPT_SIZES:
+        return GPT_SIZES[model_name].n_layer
+    return read_config_file(model_name).get("n_layer")
+
+
+def config_problems(cfg) -> list[str]:
+    """What RunConfig.validate reports before any process starts."""
+    from multigpu.models import family
+
+    name, p, m = cfg.strategy, cfg.world_size, cfg.grad_accum_steps
+    if name not in SCHEDULES:
+        return [f"no pipeline schedule is called {name!r}; choose one of: {', '.join(SCHEDULES)}"]
+    problems = []
+    if getattr(cfg, "tp", 1) > 1 or getattr(cfg, "dp", None) not in (None, 1):
+        problems.append(f"{name} is pipeline parallel only for now: every one of the {p} processes is a "
+                        f"stage; drop --tp/--dp (seen tp={getattr(cfg, 'tp', 1)}, dp={getattr(cfg, 'dp', None)})")
+    if family(cfg.model) != "gpt":
+        return problems + [f"{name} cuts the package's GPT into stages; {cfg.model!r} is a {family(cfg.model)} "
+                           "model: use a gpt-* preset"]
+    schedule = SCHEDULES[name]
+    stages, n_layer = p * schedule.stages_per_rank, _n_layer(cfg.model)
+    if n_layer is not None and stages > n_layer:
+        problems.append(f"{name} cuts {cfg.model} into {stages} stages ({p} ranks x {schedule.stages_per_rank}) "
+                        f"but it has {n_layer} blocks; use at most {n_layer // schedule.stages_per_rank} "
+                        f"processes or a deeper model")
+    why = microbatch_problem(name, m, p)
+    if why:
+        problems.append(why)
+    return problems
+
+
+def prepare(model: nn.Module, cfg, rt) -> Parallelized:
+    grid, name = rt.grid, cfg.strategy
+    if grid.size("dp") > 1 or grid.size("tp") > 1:
+        raise ValueError(f"{name} is pipeline parallel only for now: got a grid of dp {grid.size('dp')} x "
+                         f"tp {grid.size('tp')}; run it with every process a stage (dp = tp = 1)")
+    if not isinstance(model, GPT):
+        raise ValueError(f"{name} cuts the package's GPT into stages, not a {type(model).__name__}")
+    schedule, p, rank, m = SCHEDULES[name], grid.size("pp"), grid.coord("pp"), cfg.grad_accum_steps
+    why = microbatch_problem(name, m, p)
+    if why:
+        raise ValueError(why)
+    stages = build_stages(model, schedule, rank, p, rt.device)
+    num_stages = stages[0].num_stages
+    last_rank = stage_rank(schedule, num_stages - 1, p)
+    # the embedding group joins pipeline ranks 0 and p-1: needed only when those are the two
+    # ranks holding the first and the last stage (creating a group is collective: all call it)
+    tied_group = tied_embedding_group(grid) if schedule.placement == "loop" and p > 1 else None
+    pipeline_stages = [PipelineStage(s, s.index, num_stages, rt.device, group=grid.group("pp")) for s in stages]
+    events, clock = [], [0.0]  # every action of the last step, as the from-scratch pipeline logs them
+    for ps in pipeline_stages:
+        log_actions(ps, events, clock)
+    loss_fn = lambda logits, labels: loss_from_logits(logits, labels) / m  # noqa: E731
+    if schedule.stages_per_rank == 1:
+        runner = schedule.cls(pipeline_stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    else:
+        runner = schedule.cls(pipeline_stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    local = nn.ModuleList(stages)
+    optimizer = build_optimizer(local.parameters(), cfg)
+    has_first, has_last = stages[0].index == 0, stages[-1].index == num_stages - 1
+    tied = bool(model.cfg.tie_embeddings)  # (the closures below must not keep the whole model alive)
+    start_unix = [0.0]
+
+    def train_step(par, micro_batches, autocast_dtype=None, before_forward=lambda i: None) -> float:
+        if len(micro_batches) != m:
+            raise ValueError(f"the schedule was built for {m} micro-batches, got {len(micro_batches)}")
+        par.zero_grad()
+        events.clear()
+        clock[0], start_unix[0] = time.perf_counter(), time.time()
+        for s in stages:
+            s.autocast_dtype = autocast_dtype
+        before_forward(0)
+        # the schedule cuts the whole batch into m micro-batches again (tensor_split: the same ones)
+        ids = torch.cat([b["input_ids"] for b in micro_batches]) if has_first else None
+        labels = torch.cat([b["labels"] for b in micro_batches]) if has_last else None
+        losses: list[torch.Tensor] = []
+        runner.step(*([ids] if has_first else []), target=labels, losses=losses, return_outputs=False)
+        sync_tied(stages, tied_group)
+        par.optimizer.step()
+        step_loss = sum(loss.item() for loss in losses) if has_last else 0.0
+        return broadcast_loss(step_loss, grid, last_rank)
+
+    def gather_state_dict() -> dict[str, torch.Tensor]:
+        """Every stage's weights, whole model, single-device names, on every rank."""
+        mine = {s.index: {k: v.detach().cpu().clone() for k, v in s.piece.state_dict().items()} for s in stages}
+        parts = [None] * p
+        dist.all_gather_object(parts, mine, group=grid.group("pp"))
+        by_stage = {i: state for part in parts for i, state in part.items()}
+        state = {k: v for i in sorted(by_stage) for k, v in by_stage[i].items()}
+        if tied:  # GPT.state_dict names the tied weight twice
+            state.setdefault("lm_head.weight", state["wte.weight"])
+        return state
+
+    # no memory tracker: its module hooks (register_multi_grad_hook) refuse the autograd.grad
+    # the library's stages call in backward ("A leaf node was passed to
+    # _will_engine_execute_node ..."); memory is recorded as not measured
+    return Parallelized(module=local, optimizer=optimizer, model=local, train_step=train_step,
+                        gather_state_dict=gather_state_dict, counts_own_memory=True,
+                        report=lambda: {"schedule": name, "schedule_class": schedule.cls.__name__,
+                                        "num_stages": num_stages, "microbatches": m,
+                                        "stages_on_this_rank": [s.index for s in stages],
+                                        "events": list(events), "step_start_unix": start_unix[0]})
+
+
+def log_actions(stage: PipelineStage, events: list, clock: list) -> None:
+    """Wrap a PipelineStage's per-chunk methods so that each action lands in `events`, as
+    {"stage", "action", "micro", "start_s", "end_s"} (seconds from clock[0]): F
+    (forward_one_chunk), B (backward_one_chunk: the input's gradient, and the weights' too
+    unless the schedule defers them), W (backward_weight_one_chunk, zero-bubble schedules)."""
+
+    def wrapped(method, action):
+        def run(chunk, *args, **kwargs):
+            start = time.perf_counter()
+            out = method(chunk, *args, **kwargs)
+            events.append({"stage": stage.stage_index, "action": action, "micro": chunk,
+                           "start_s": start - clock[0], "end_s": time.perf_counter() - clock[0]})
+            return out
+        return run
+
+    stage.forward_one_chunk = wrapped(stage.forward_one_chunk, "F")
+    stage.backward_one_chunk = wrapped(stage.backward_one_chunk, "B")
+    stage.backward_weight_one_chunk = wrapped(stage.backward_weight_one_chunk, "W")
+
+
+def traced_split(model: nn.Module | None = None, example: torch.Tensor | None = None,
+                 split_before: tuple[str, ...] = ("4",)) -> dict:
+    """The automatic split: `pipeline()` traces `model` (with torch.export, on `example`)
+    and cuts the graph before each module named in `split_before`. By default the model is
+    a plain `nn.Sequential` of 4 x (Linear, Tanh), cut before its third Linear ("4"); the
+    package's GPT traces too (`split_before=("blocks.2",)`). Returns what it became: the
+    stages, the parameters each holds, their generated code, and whether the stages chained
+    by hand compute what the whole model computes. One process: nothing distributed
+    happens until `pipe.build_stage(i, device, group)`."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    if model is None:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(8, 8), nn.Tanh())])
+        example = torch.randn(4, 8)
+    pipe = pipeline(model, mb_args=(example,), split_spec={name: SplitPoint.BEGINNING for name in split_before})
+    stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+    out = example
+    for stage in stages:
+        out = stage(out)
+    with torch.no_grad():
+        whole = model(example)
+    return {"num_stages": pipe.num_stages,
+            "parameters": [[n for n, _ in stage.named_parameters()] for stage in stages],
+            "matches_whole_model": bool(torch.allclose(out, whole)),
+            "code": [stage.code.strip() for stage in stages]}

@@ -1,0 +1,107 @@
+"""Cutting the GPT into pipeline stages, and what the stages must then agree on.
+
+Every pipeline strategy (from scratch or the library's) starts here:
+
+- `stage_blocks`: which blocks a stage owns. Contiguous runs, as even as the count allows;
+  the first stages take the extra blocks (picotron does the same; torchtitan also counts
+  the embedding and the head as one block each, a refinement we leave to the reader).
+- `split_gpt`: the whole model is built on every rank from the same seed, then each stage
+  deletes what it does not own (torchtitan's manual split). Initial weights therefore equal
+  the single device's, and every parameter keeps its name (`blocks.5.mlp.fc.weight`).
+- A tied head: GPT-2's head reuses the token embedding, which lives on the first stage while
+  the head lives on the last. Both keep a copy, and after backward the two gradients are
+  summed between the two stages (Megatron's "embedding group"), so both copies take the
+  same step: `sync_tied_embedding`.
+- The loss is known on the last stage only: `loss_to_all` sends it to the others, so every
+  rank records the same loss; `gather_state_dict` puts the stages' weights back together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from multigpu.models import GPT
+
+
+def stage_blocks(n_layer: int, num_stages: int, stage: int) -> list[int]:
+    """The indices of the blocks stage `stage` of `num_stages` owns: contiguous, the first
+    `n_layer % num_stages` stages one more."""
+    if not 1 <= num_stages <= n_layer:
+        raise ValueError(f"{num_stages} pipeline stages cannot split {n_layer} blocks: "
+                         f"use at most {n_layer} stages, one block each")
+    per, extra = divmod(n_layer, num_stages)
+    start = stage * per + min(stage, extra)
+    return list(range(start, start + per + (stage < extra)))
+
+
+def split_gpt(model: GPT, stage: int, num_stages: int) -> GPT:
+    """Delete, in place, what stage `stage` does not own: other stages' blocks; the
+    embeddings unless first; the final norm and the head unless last. Returns the model,
+    whose forward then takes token ids (first stage) or hidden states (later stages) and
+    returns hidden states (earlier stages) or the loss/logits (last stage)."""
+    if not isinstance(model, GPT):
+        raise ValueError(f"the pipeline strategies cut the package's GPT, not {type(model).__name__}")
+    mine = {str(i) for i in stage_blocks(model.cfg.n_layer, num_stages, stage)}
+    for name in [n for n in model.blocks if n not in mine]:
+        del model.blocks[name]
+    if stage > 0:
+        model.wte = model.wpe = None
+    if stage < num_stages - 1:
+        model.ln_f = model.lm_head = None
+    return model
+
+
+def is_tied(model: GPT) -> bool:
+    return bool(model.cfg.tie_embeddings)
+
+
+def tied_embedding_group(grid):
+    """The group of this pipeline's first and last stage (same data- and tensor-parallel
+    coordinates), which each hold a copy of a tied embedding. Every rank must call this, in
+    the same order (creating groups is collective); None if there is one stage."""
+    pp = grid.size("pp")
+    if pp == 1:
+        return None
+    stride = grid.size("dp") * grid.size("tp")  # ranks between consecutive stages of one pipeline
+    mine = None
+    for base in range(stride):  # one group per pipeline; this rank joins its own
+        group = dist.new_group([base, base + (pp - 1) * stride])
+        if grid.rank % stride == base:
+            mine = group
+    return mine
+
+
+def sync_tied_embedding(model: GPT, group, stage: int, num_stages: int) -> None:
+    """Sum the tied weight's gradient between the first stage (embedding) and the last
+    (head): each computed only its own use's share. Call after backward, before the step."""
+    if group is None or not is_tied(model) or stage not in (0, num_stages - 1):
+        return
+    weight = model.wte.weight if stage == 0 else model.lm_head.weight
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=group)
+
+
+def loss_to_all(loss: float, grid) -> float:
+    """The last stage's loss, on every stage of the pipeline (each records the same)."""
+    pp = grid.size("pp")
+    if pp == 1:
+        return loss
+    value = torch.tensor([loss], dtype=torch.float64)
+    dist.broadcast(value, group=grid.group("pp"), group_src=pp - 1)
+    return value.item()
+
+
+def gather_state_dict(model: GPT, grid) -> dict[str, torch.Tensor]:
+    """Every stage's parameters, whole model, on every rank of the pipeline, under the
+    single-device names (a tied weight under both of its names, as GPT.state_dict has)."""
+    mine = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    parts = [None] * grid.size("pp")
+    dist.all_gather_object(parts, mine, group=grid.group("pp"))
+    state = {}
+    for part in parts:
+        state.update(part)
+    if is_tied(model) and "wte.weight" in state:
+        state.setdefault("lm_head.weight", state["wte.weight"])
+    return state
