@@ -71,10 +71,13 @@ def test_unknown_choice_lists_the_choices(field, label, allowed):
     message = refused(**{field: "no-such-thing"})
     assert f"unknown {label} 'no-such-thing'" in message
     assert "choose one of: " + ", ".join(allowed) in message
-    # and every listed choice is accepted (for strategy: with a world size it allows)
+    # and every listed choice is accepted (for strategy: with a world size it allows, and for a
+    # pipeline schedule, blocks and micro-batches enough for its stages: gpt-mini has 4 blocks)
     for value in allowed:
         world_size = 1 if field != "strategy" or value == "single" else 2
-        RunConfig(**{field: value, "world_size": world_size}).validate()
+        is_pipeline = field == "strategy" and value.startswith("pp-")
+        pipeline = {"model": "gpt-mini", "grad_accum_steps": 4} if is_pipeline else {}
+        RunConfig(**{field: value, "world_size": world_size, **pipeline}).validate()
 
 
 def test_single_on_two_processes():
