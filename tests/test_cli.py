@@ -88,6 +88,13 @@ BAD_INPUTS = {
     "sequence not divisible": (["--strategy", "tp-scratch", "--world-size", "2", "--seq-len", "33",
                                 "--sequence-parallel"], "tp 2 does not divide the 33 sequence length"),
     "config file missing": (["--strategy", "tp", "--model", "no/such/config.json"], "no/such/config.json"),
+    # pipelines: more stages than blocks, too few micro-batches for the schedule
+    "more stages than blocks": (["--strategy", "pp-1f1b-scratch", "--world-size", "4"],
+                                "4 stages cannot split gpt-tiny's 2 blocks"),
+    "1F1B with m < stages": (["--strategy", "pp-1f1b", "--world-size", "2", "--micro-batches", "1"],
+                             "needs at least as many micro-batches as stages"),
+    "batch not divisible into micro-batches": (["--strategy", "pp-gpipe", "--world-size", "2", "--micro-batches",
+                                                "3"], "does not split evenly"),
 }
 
 

@@ -127,6 +127,10 @@ def cmd_estimate(args) -> int:
     from multigpu.estimate import Setup, estimate, largest_batch
 
     start = time.perf_counter()
+    if args.tp != 1 or args.pp != 1:
+        raise ConfigError(f"the estimator models data-parallel and sharded strategies on a data-parallel grid; "
+                          f"tensor and pipeline parallelism (--tp {args.tp} --pp {args.pp}) are not modelled yet: "
+                          "measure them with `python -m multigpu run --strategy tp|pp-... --json`")
     memory, context = _device_memory(args)
     if args.max_batch and memory is None:
         raise ConfigError("--max-batch needs the memory of one device: --gpu-memory 32GiB or --gpu a100-80gb")
@@ -243,6 +247,8 @@ def main(argv=None) -> int:
                      "(t5 or gpt2), or params:<count> for model states only")
     est.add_argument("--strategy", default="ddp", help="single, dp, ddp, zero1, zero2, zero3 or fsdp")
     est.add_argument("--world-size", type=int, default=1, help="GPUs (ranks)")
+    est.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (not modelled yet: must be 1)")
+    est.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (not modelled yet: must be 1)")
     est.add_argument("--dtype", default="fp32", help="fp32; bf16-mixed (autocast, fp32 weights, as this package "
                      "trains); bf16-master (bf16 weights and an fp32 master copy, as the ZeRO paper and DeepSpeed)")
     est.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
