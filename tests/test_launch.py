@@ -183,3 +183,20 @@ def test_top_level_api_gives_the_functions():
         out = subprocess.run([sys.executable, "-c", program], env=dict(os.environ, PYTHONPATH=src),
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, world_size", [("single", 1), ("zero3", 2)])
+def test_a_diverging_run_fails_and_says_why(strategy, world_size):
+    """A loss that turns non-finite stops the run at that step with the likely cause, on
+    every strategy (the check is in the one training loop); nothing is recorded."""
+    cfg = RunConfig(strategy=strategy, world_size=world_size, lr=1e3, steps=6, track_memory=False)
+    with pytest.raises(LaunchError, match=r"training diverged at step \d+: the loss is nan.*lr=1000"):
+        launch(cfg, progress=False)
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_learning_rate_is_bad_input(lr):
+    with pytest.raises(ConfigError, match="lr must be a finite number"):
+        RunConfig(lr=lr).validate()

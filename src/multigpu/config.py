@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -228,6 +229,8 @@ class RunConfig:
                 f"seq_len={self.seq_len} is longer than model {self.model!r} can take "
                 f"({max_seq_len(self.model)} positions); use at most {max_seq_len(self.model)} or a larger preset"
             )
+        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr):
+            raise ConfigError(f"lr must be a finite number (e.g. 0.01), got {self.lr!r}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be positive, got {self.lr!r}")
         if self.bucket_cap_mb <= 0:

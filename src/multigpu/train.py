@@ -12,6 +12,7 @@ are timed with nothing attached, so the measurement tools never slow down the ti
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import statistics
@@ -106,6 +107,11 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
                              for _ in range(cfg.grad_accum_steps)]
             mark = (lambda i, t=memory_tracker: t.next_forward()) if step <= last_tracked_step else (lambda i: None)
             step_loss = par.run_step(micro_batches, autocast_dtype, mark)
+        if not math.isfinite(step_loss):  # every strategy's run stops here, nothing is recorded
+            raise FloatingPointError(
+                f"training diverged at step {step}: the loss is {step_loss} (after "
+                f"{', '.join(f'{x:.4g}' for x in losses[-3:]) or 'no finite step'}); likely causes: a learning "
+                f"rate too high (lr={cfg.lr:g}: try 10x smaller), or half precision without loss scaling")
         _synchronize(rt.device)
         step_times_s.append(time.perf_counter() - start)
         if step == last_tracked_step:
