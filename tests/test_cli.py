@@ -88,6 +88,10 @@ BAD_INPUTS = {
     "sequence not divisible": (["--strategy", "tp-scratch", "--world-size", "2", "--seq-len", "33",
                                 "--sequence-parallel"], "tp 2 does not divide the 33 sequence length"),
     "config file missing": (["--strategy", "tp", "--model", "no/such/config.json"], "no/such/config.json"),
+    "port out of range": (["--port", "70000"], "port must be a whole number from 1 to 65535, got 70000"),
+    "negative port": (["--port", "-1"], "port must be a whole number from 1 to 65535, got -1"),
+    "timeout not positive": (["--timeout", "0"], "timeout must be a positive number of seconds"),
+    "learning rate nan": (["--lr", "nan"], "lr must be a finite number"),
     # pipelines: more stages than blocks, too few micro-batches for the schedule
     "more stages than blocks": (["--strategy", "pp-1f1b-scratch", "--world-size", "4"],
                                 "4 stages cannot split gpt-tiny's 2 blocks"),

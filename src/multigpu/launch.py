@@ -13,6 +13,7 @@ wrong: a worker's traceback tail, a killed worker, a timeout. It never hangs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import re
@@ -120,6 +121,11 @@ def launch(
     from multigpu.runtime import choose_device
 
     cfg.validate()
+    if port is not None and (not isinstance(port, int) or not 1 <= port <= 65535):
+        raise ConfigError(f"port must be a whole number from 1 to 65535, got {port!r}; or give none to let "
+                          "torchrun pick a free one")
+    if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout_s!r}")
     try:
         device, backend, why = choose_device(cfg.device, cfg.world_size)
     except ValueError as err:
