@@ -110,3 +110,33 @@ def test_load_missing_experiment_says_how_to_make_it(results_dir):
 def test_results_path_uses_this_machines_tag(results_dir):
     assert records.results_path("exp") == results_dir / records.machine_tag() / "exp.jsonl"
     assert records.results_path("exp", "cpu-2core-gloo") == results_dir / "cpu-2core-gloo" / "exp.jsonl"
+
+
+def _job_records(value, tag="cpu-test"):
+    return [{"value": value, "provenance": {"machine_tag": tag}}]
+
+
+def _fails():
+    raise RuntimeError("out of memory (pretend)")
+
+
+def test_figures_never_lose_records(tmp_path, monkeypatch):
+    """A failing run is reported and skipped, the other runs are recorded, the old records of
+    what did not run again are kept, and the experiment says it failed; a complete run
+    then leaves exactly its new records."""
+    from multigpu import experiments, records
+
+    monkeypatch.setattr(records, "RESULTS_DIR", tmp_path)
+    path = records.results_path("fake", "cpu-test")
+    path.parent.mkdir(parents=True)
+    write_records(path, [{"value": "old a", "job": "a", "provenance": {"machine_tag": "cpu-test"}},
+                         {"value": "old b", "job": "b", "provenance": {"machine_tag": "cpu-test"}}])
+    jobs = [experiments.Job("a", _job_records, {"value": "new a"}), experiments.Job("b", _fails),
+            experiments.Job("c", _job_records, {"value": "new c"})]
+    monkeypatch.setitem(experiments.EXPERIMENTS, "fake", lambda: jobs)
+    with pytest.raises(experiments.ExperimentFailed, match=r"1 of 3 run\(s\) failed: b: out of memory"):
+        experiments.run_experiment("fake")
+    assert sorted(r["value"] for r in read_records(path)) == ["new a", "new c", "old b"]
+    jobs[1] = experiments.Job("b", _job_records, {"value": "new b"})
+    experiments.run_experiment("fake")
+    assert sorted(r["value"] for r in read_records(path)) == ["new a", "new b", "new c"]

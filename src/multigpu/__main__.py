@@ -222,9 +222,13 @@ def _gib(nbytes: float) -> str:
 
 
 def cmd_figures(args) -> int:
-    from multigpu.experiments import run_experiments
+    from multigpu.experiments import ExperimentFailed, run_experiments
 
-    run_experiments(args.experiments)
+    try:
+        run_experiments(args.experiments)
+    except ExperimentFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

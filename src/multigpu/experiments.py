@@ -11,6 +11,7 @@ never leaves a half-written line; other machines' folders are never touched.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -407,20 +408,47 @@ EXPERIMENTS = {
 }
 
 
+def _identity(record: dict) -> str:
+    """What a record is a measurement of: its job, or its run's config."""
+    return f"job {record['job']}" if "job" in record else json.dumps(record.get("config"), sort_keys=True)
+
+
+class ExperimentFailed(RuntimeError):
+    """Some runs of an experiment failed; the others' records (and the old ones) are kept."""
+
+
 def run_experiment(name: str, *, progress: bool | None = None) -> list[dict]:
+    """Run every item of experiment `name`; return the new records.
+
+    Records are never lost: after every item the file is rewritten (whole, aside, then
+    renamed) with the records made so far, beside the records from before that no new one
+    replaces, so an interrupt or a crash keeps both. When every item has run, the file holds
+    exactly the new records. An item that fails is reported and skipped (its old records
+    stay); the experiment then raises ExperimentFailed after the others have run."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from: {', '.join(EXPERIMENTS)}")
     done: list[dict] = []
+    failed: list[str] = []
+    old: dict[str, list[dict]] = {}
+    path = None
     items = EXPERIMENTS[name]()
     for i, item in enumerate(items, start=1):
         start = time.monotonic()
-        if isinstance(item, Job):
-            new = item.run(**item.kwargs)
-            what = item.name
-        else:
-            new = [launch(item, progress=progress)]
-            what = (f"{item.strategy} x{item.world_size} {item.model}: "
-                    f"{new[0]['step_time_s'] * 1e3:.1f} ms/step")
+        what = item.name if isinstance(item, Job) else f"{item.strategy} x{item.world_size} {item.model}"
+        try:
+            if isinstance(item, Job):
+                new = item.run(**item.kwargs)
+                for record in new:
+                    record["job"] = item.name
+            else:
+                new = [launch(item, progress=progress)]
+                what += f": {new[0]['step_time_s'] * 1e3:.1f} ms/step"
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as err:  # noqa: BLE001 - reported, and the other items still run
+            failed.append(f"{what}: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}")
+            print(f"  [{name} {i}/{len(items)}] FAILED {failed[-1]}", flush=True)
+            continue
         for record in new:
             record["experiment"] = name
         done += new
@@ -428,9 +456,20 @@ def run_experiment(name: str, *, progress: bool | None = None) -> list[dict]:
         if len(tags) > 1:
             raise RuntimeError(f"experiment {name} mixed devices ({', '.join(sorted(tags))}); "
                                "give its configs one device")
-        # after every run: an interrupt keeps what finished
-        records.write_records(records.results_path(name, tags.pop()), done)
+        if path is None:  # the records from before, by what they measure
+            path = records.results_path(name, tags.pop())
+            for record in records.read_records(path) if path.exists() else []:
+                old.setdefault(_identity(record), []).append(record)
+        replaced = {_identity(r) for r in done}
+        kept = [] if i == len(items) and not failed else [
+            r for key, rs in old.items() if key not in replaced for r in rs]
+        records.write_records(path, kept + done)  # after every run: an interrupt keeps everything
         print(f"  [{name} {i}/{len(items)}] {what} ({time.monotonic() - start:.0f} s)", flush=True)
+    if failed:
+        if path is not None:  # the last item failed: the file still has the old records of every failure
+            replaced = {_identity(r) for r in done}
+            records.write_records(path, [r for key, rs in old.items() if key not in replaced for r in rs] + done)
+        raise ExperimentFailed(f"{name}: {len(failed)} of {len(items)} run(s) failed: " + "; ".join(failed))
     return done
 
 
@@ -444,11 +483,18 @@ def run_experiments(names: list[str] | None = None) -> None:
           f"{os.cpu_count()} cores, {len(gpus)} CUDA GPU(s){' (' + ', '.join(gpus) + ')' if gpus else ''}; "
           f"torch {torch.__version__}; writing to {records.RESULTS_DIR}/<machine>/", flush=True)
     start = time.monotonic()
+    failures = []
     for name in names:
         try:
             run_experiment(name, progress=False)
         except KeyboardInterrupt:
             print(f"multigpu figures: interrupted during {name}; the runs that finished are kept in "
-                  f"{records.RESULTS_DIR}/<machine>/{name}.jsonl", file=sys.stderr, flush=True)
+                  f"{records.RESULTS_DIR}/<machine>/{name}.jsonl, beside the records from before",
+                  file=sys.stderr, flush=True)
             raise
-    print(f"multigpu figures: done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        except ExperimentFailed as err:
+            failures.append(str(err))
+    print(f"multigpu figures: done in {time.monotonic() - start:.0f} s; {len(names) - len(failures)} of "
+          f"{len(names)} experiment(s) recorded whole", file=sys.stderr, flush=True)
+    if failures:
+        raise ExperimentFailed("some runs failed (their old records are kept):\n" + "\n".join(failures))
