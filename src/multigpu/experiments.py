@@ -195,12 +195,12 @@ _SMALL = [4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024]
 _LARGE = [MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 
 
-def _collective_records(world_size: int, sizes: list[int], algorithms: list[str] | None = None) -> list[dict]:
+def _collective_records(world_size: int, sizes: list[int]) -> list[dict]:
     from multigpu.collectives import ALL_REDUCES, HALVES
     from multigpu.spmd import run_spmd
 
     per_rank = run_spmd("multigpu.collectives:benchmark", world_size, sizes=sizes,
-                        algorithms=algorithms or [*ALL_REDUCES, *HALVES], timeout_s=900)
+                        algorithms=[*ALL_REDUCES, *HALVES], timeout_s=900)
     prov = records.provenance("gloo", world_size, "cpu", threads_per_process(world_size))
     out = []
     for rows in zip(*per_rank):  # the same (size, algorithm) on every rank
@@ -230,7 +230,7 @@ def _collectives_bandwidth() -> list[Job]:
             for n in (2, 4) for sizes in [_SMALL, *([s] for s in _LARGE)]]
 
 
-def _cpu_tp_model() -> tuple[str, int, int]:
+def _tp_model() -> tuple[str, int, int]:
     """(model, global batch, sequence length) of the tensor-parallel experiments."""
     return ("gpt2", 8, 512) if on_gpus(2) else ("gpt-small", 8, 128)
 
@@ -291,7 +291,7 @@ def _tp_width() -> list[Job]:
 def _tp_collectives_records(strategy: str, world_size: int, sequence_parallel: bool) -> list[dict]:
     from multigpu.spmd import run_spmd
 
-    model, batch, seq = _cpu_tp_model()
+    model, batch, seq = _tp_model()
     trace = run_spmd("multigpu.traces:tp_collectives", world_size, strategy=strategy, model_name=model,
                      batch=batch, seq_len=seq, sequence_parallel=sequence_parallel)[0]
     return [{**trace, "provenance": records.provenance("gloo", world_size, "cpu", threads_per_process(world_size))}]
@@ -308,7 +308,7 @@ def _tp_collectives() -> list[Job]:
 def _tp_scaling() -> list[RunConfig]:
     """Memory by category and step time as tp grows, from scratch and the library's
     alternated (A B A B) so both see the same noise; with and without sequence parallelism."""
-    model, batch, seq = _cpu_tp_model()
+    model, batch, seq = _tp_model()
     # one thread per process, as one GPU per rank: tp 2 has twice the cores of one device
     # (tp 4 on a 2-core CPU shares them: it shows the communication, not a speed-up)
     base = RunConfig(model=model, global_batch_size=batch, seq_len=seq, steps=8, optimizer="adamw", lr=1e-3,

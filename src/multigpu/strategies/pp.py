@@ -65,7 +65,7 @@ from torch.distributed.pipelining import (
 
 from multigpu.models import GPT, loss_from_logits
 from multigpu.strategies import Parallelized, build_optimizer
-from multigpu.strategies.pp_split import split_gpt, sync_tied_embedding, tied_embedding_group
+from multigpu.strategies.pp_split import loss_to_all, split_gpt, sync_tied_embedding, tied_embedding_group
 
 
 @dataclass(frozen=True)
@@ -146,17 +146,6 @@ def sync_tied(stages: list[StageModule], group) -> None:
     for s in (first, last):
         if s is not None:
             sync_tied_embedding(s.piece, group, s.index, s.num_stages)
-
-
-def broadcast_loss(loss: float, grid, src: int) -> float:
-    """The loss of the rank holding the last stage (`src`, its pipeline rank), on every rank.
-    pp_split.loss_to_all assumes the last stage on the last rank; under V placement it is
-    on rank 0."""
-    if grid.size("pp") == 1:
-        return loss
-    value = torch.tensor([loss], dtype=torch.float64)
-    dist.broadcast(value, group=grid.group("pp"), group_src=src)
-    return value.item()
 
 
 def microbatch_problem(name: str, m: int, p: int) -> str | None:
@@ -258,7 +247,7 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
         sync_tied(stages, tied_group)
         par.optimizer.step()
         step_loss = sum(loss.item() for loss in losses) if has_last else 0.0
-        return broadcast_loss(step_loss, grid, last_rank)
+        return loss_to_all(step_loss, grid, src=last_rank)
 
     def gather_state_dict() -> dict[str, torch.Tensor]:
         """Every stage's weights, whole model, single-device names, on every rank."""

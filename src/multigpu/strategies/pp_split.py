@@ -83,13 +83,15 @@ def sync_tied_embedding(model: GPT, group, stage: int, num_stages: int) -> None:
     dist.all_reduce(weight.grad, group=group)
 
 
-def loss_to_all(loss: float, grid) -> float:
-    """The last stage's loss, on every stage of the pipeline (each records the same)."""
+def loss_to_all(loss: float, grid, src: int | None = None) -> float:
+    """The last stage's loss, on every stage of the pipeline (each records the same). `src`:
+    the pipeline rank holding the last stage (default the last rank; under a V placement of
+    two stages per rank it is rank 0)."""
     pp = grid.size("pp")
     if pp == 1:
         return loss
     value = torch.tensor([loss], dtype=torch.float64)
-    dist.broadcast(value, group=grid.group("pp"), group_src=pp - 1)
+    dist.broadcast(value, group=grid.group("pp"), group_src=pp - 1 if src is None else src)
     return value.item()
 
 

@@ -267,15 +267,6 @@ def parallelize(model: nn.Module, tp_mesh, sequence_parallel: bool = False, loss
                      "it knows the package's GPT and Hugging Face causal LMs with a base_model_tp_plan")
 
 
-def tp_mesh_of(rt):
-    """The tensor-parallel line of this rank's grid (the whole world when it is all TP)."""
-    if rt.grid is not None and rt.grid.mesh is not None:
-        return rt.grid.mesh["tp"]
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",))
-
-
 def config_problems(cfg) -> list[str]:
     """What RunConfig.validate reports before any process starts."""
     from multigpu.models import family
@@ -288,7 +279,7 @@ def config_problems(cfg) -> list[str]:
 
 def prepare(model, cfg, rt) -> Parallelized:
     extra = cfg.extra or {}
-    module = parallelize(model, tp_mesh_of(rt), sequence_parallel=bool(extra.get("sequence_parallel", False)),
+    module = parallelize(model, rt.grid.mesh["tp"], sequence_parallel=bool(extra.get("sequence_parallel", False)),
                          loss_parallel=bool(extra.get("loss_parallel", True)))
     optimizer = build_optimizer(model.parameters(), cfg)  # DTensor parameters: each rank updates its shard
 
