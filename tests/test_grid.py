@@ -29,8 +29,15 @@ def test_degrees_that_do_not_tile_the_world_show_the_arithmetic():
 def test_a_strategy_refuses_degrees_it_does_not_take():
     message = refused(strategy="ddp", world_size=4, tp=2)
     assert "strategy 'ddp' does not combine with tp (tp=2)" in message
-    assert "tensor parallelism alone: --strategy tp or tp-scratch" in message
+    assert "--strategy tp or tp-scratch alone, fsdp or ddp-scratch with --tp (2D)" in message
     assert "does not combine with tp and pp" in refused(strategy="zero3", world_size=8, tp=2, pp=2)
+    message = refused(strategy="fsdp", world_size=8, tp=2, pp=2)  # fsdp takes tp; a pipeline takes dp
+    assert "does not combine with pp (pp=2); it takes --tp" in message
+    assert "a --strategy pp-... (pp-1f1b, pp-gpipe, ...), with --dp N for FSDP inside each stage" in message
+    assert "does not combine with tp" in refused(strategy="pp-1f1b-scratch", world_size=4, tp=2,
+                                                 grad_accum_steps=2)
+    assert "world size 8 != dp 2 x pp 3 x tp 2 = 12" in refused(strategy="pp-1f1b", world_size=8, tp=2, dp=2, pp=3,
+                                                                   grad_accum_steps=4, model="gpt-mini")
     assert "tensor parallel only: it does not take dp=2" in refused(strategy="tp", world_size=4, dp=2)
     assert "whole number >= 1" in refused(strategy="tp", world_size=2, tp=0)
 
@@ -67,9 +74,14 @@ def test_the_table_is_the_one_place_strategies_are_named():
     ("tp", 4, 1, None, {"dp": 1, "pp": 1, "tp": 4}),  # a pure strategy spans the world
     ("tp-scratch", 2, 2, None, {"dp": 1, "pp": 1, "tp": 2}),
     ("single", 1, 1, None, {"dp": 1, "pp": 1, "tp": 1}),
+    ("fsdp", 8, 2, None, {"dp": 4, "pp": 1, "tp": 2}),  # 2D: fsdp spans what tp leaves
+    ("ddp-scratch", 4, 2, None, {"dp": 2, "pp": 1, "tp": 2}),
+    ("pp-1f1b", 4, 2, None, {"dp": 1, "pp": 2, "tp": 2}),  # a pipeline spans what tp and dp leave
+    ("pp-1f1b", 4, 1, 2, {"dp": 2, "pp": 2, "tp": 1}),
+    ("pp-1f1b", 8, 2, 2, {"dp": 2, "pp": 2, "tp": 2}),  # 3D
 ])
 def test_degrees(strategy, world_size, tp, dp, expected):
-    cfg = RunConfig(strategy=strategy, world_size=world_size, tp=tp, dp=dp).validate()
+    cfg = RunConfig(strategy=strategy, world_size=world_size, tp=tp, dp=dp, grad_accum_steps=2).validate()
     assert cfg.degrees == expected
 
 

@@ -218,3 +218,29 @@ def test_pipeline_matches_single_device(strategy, world_size, tmp_path):
     result = check(strategy, world_size, steps=STEPS, tolerance=TOLERANCE, progress=False, model=model,
                    grad_accum_steps=micro, global_batch_size=micro * 2 if micro > 4 else 8)
     assert_parity(result, strategy, world_size)
+
+
+# Compositions on one grid, applied in the order of strategies/compose.py. 8 processes on
+# two cores are slow but fine with gpt-tiny (one 3D run, about 20 s).
+COMPOSITIONS = [
+    ("fsdp", 4, dict(tp=2)),  # 2D: FSDP over 2 replicas of a 2-way tensor-parallel model
+    ("fsdp", 4, dict(tp=2, extra={"sequence_parallel": True})),
+    ("ddp-scratch", 4, dict(tp=2, extra={"sequence_parallel": True})),  # 2D from scratch
+    ("pp-1f1b", 4, dict(tp=2, grad_accum_steps=2)),  # PP x TP
+    ("pp-1f1b", 4, dict(dp=2, grad_accum_steps=2)),  # PP x FSDP
+    ("pp-zbv", 4, dict(tp=2, grad_accum_steps=4, model="gpt-mini")),  # V placement: a tied copy pair on one rank
+    # 3D, with checkpointing (step 3 of the order, between TP and FSDP)
+    ("pp-1f1b", 8, dict(tp=2, dp=2, grad_accum_steps=2, activation_checkpointing=True)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, world_size, overrides", COMPOSITIONS,
+                         ids=["fsdp-tp", "fsdp-tp-sp", "ddp-scratch-tp-sp", "pp-tp", "pp-fsdp", "pp-zbv-tp",
+                              "pp-fsdp-tp-3d-checkpointing"])
+def test_compositions_match_single_device(strategy, world_size, overrides):
+    """dp x pp x tp ranks (gradients averaged over dp, summed partial products over tp,
+    activations passed between stages) train like one process on the whole batch."""
+    result = check(strategy, world_size, steps=STEPS, tolerance=TOLERANCE, progress=False, **overrides)
+    assert_parity(result, strategy, world_size)

@@ -12,8 +12,6 @@ multigpu.pp_library_checks; each launch costs seconds, so one launch runs every 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -85,8 +83,9 @@ def test_every_schedule_matches_single_device_on_4_ranks():
 
 
 def _cfg(strategy, world_size=2, m=4, model="gpt-mini", **kw):
-    return SimpleNamespace(**{"strategy": strategy, "world_size": world_size, "grad_accum_steps": m,
-                              "model": model, "tp": 1, "dp": None, "activation_checkpointing": False, **kw})
+    from multigpu.config import RunConfig
+
+    return RunConfig(strategy=strategy, world_size=world_size, grad_accum_steps=m, model=model, **kw)
 
 
 def test_config_problems():

@@ -32,8 +32,9 @@ STRATEGY_TABLE: dict[str, Strategy] = {
     "single": Strategy("single", "one process, one device: the reference every strategy is tested against",
                        "nothing (one device)", spans="none"),
     "ddp": Strategy("ddp", "PyTorch DistributedDataParallel", _DP),
-    "ddp-scratch": Strategy("ddp_scratch", "data parallel from scratch: bucketed all-reduce overlapped with backward",
-                            _DP),
+    "ddp-scratch": Strategy("ddp_scratch", "data parallel from scratch: bucketed all-reduce overlapped with backward "
+                                           "(with --tp: over tp-scratch's layers, 2D from scratch)", _DP,
+                            combines=("tp",)),
     "dp": Strategy("dp", "DataParallel: one process, one thread per replica (nn.DataParallel on GPUs, "
                          "from scratch on CPU)", _DP, one_process=True),
     "zero1": Strategy("zero", "ZeRO stage 1 from scratch: optimizer state sharded", "optimizer state", 1),
@@ -44,7 +45,8 @@ STRATEGY_TABLE: dict[str, Strategy] = {
     "zero1-torch": Strategy("zero_torch", "ZeRO stage 1 with PyTorch's ZeroRedundancyOptimizer and DDP",
                             "optimizer state (whole tensors)", 1),
     "fsdp": Strategy("fsdp", "FSDP2 fully_shard per block (extra reshard_after_forward: True like ZeRO-3, "
-                             "False like ZeRO-2)", "optimizer state, gradients, parameters", 3),
+                             "False like ZeRO-2; with --tp: FSDP x TP, 2D)", "optimizer state, gradients, parameters",
+                     3, combines=("tp",)),
     "fsdp1": Strategy("fsdp1", "FSDP1 FullyShardedDataParallel with transformer_auto_wrap_policy",
                       "optimizer state, gradients, parameters", 3),
     "deepspeed-zero1": Strategy("deepspeed", "DeepSpeed ZeRO stage 1", "optimizer state", 1),
@@ -60,7 +62,8 @@ STRATEGY_TABLE: dict[str, Strategy] = {
                          "activations inside each block (and between blocks with SP)",
                    zero_stage=None, spans="tp"),
     **{name: Strategy(module, description, "the layers: each rank holds its stage's blocks (and their states)",
-                      zero_stage=None, spans="pp") for name, module, description in [
+                      zero_stage=None, spans="pp", combines=("tp", "dp") if module == "pp" else ())
+       for name, module, description in [
         ("pp-naive", "pp_scratch", "naive model parallelism from scratch: layers cut into stages, one "
                                    "micro-batch through all of them at a time"),
         ("pp-gpipe-scratch", "pp_scratch", "pipeline from scratch, GPipe: all forwards, then all backwards "
@@ -150,11 +153,11 @@ class RunConfig:
         spans = self.info.spans
         if spans == "none":
             return {"dp": 1, "pp": 1, "tp": 1}
-        if spans in ("tp", "pp"):  # a tensor- or pipeline-parallel strategy: no data parallelism (yet)
+        if spans in ("tp", "pp"):  # a tensor- or pipeline-parallel strategy: data parallel only if given
             other = "pp" if spans == "tp" else "tp"
-            given = getattr(self, spans)
-            return {"dp": 1, other: getattr(self, other),
-                    spans: self.world_size // getattr(self, other) if given == 1 else given}
+            given, dp = getattr(self, spans), self.dp or 1
+            return {"dp": dp, other: getattr(self, other),
+                    spans: self.world_size // (getattr(self, other) * dp) if given == 1 else given}
         return {"dp": self.dp or max(1, self.world_size // (self.tp * self.pp)), "pp": self.pp, "tp": self.tp}
 
     @property
@@ -274,12 +277,14 @@ class RunConfig:
         unknown = [d for d in given if d not in info.combines]
         if unknown:
             can = ", ".join(f"--{d}" for d in info.combines) or "no other degree"
-            alone = {"tp": "tensor parallelism alone: --strategy tp or tp-scratch",
-                     "pp": "pipeline parallelism alone: a --strategy pp-... (pp-1f1b, pp-gpipe, ...)"}
+            alone = {"tp": "tensor parallelism: --strategy tp or tp-scratch alone, fsdp or ddp-scratch with --tp "
+                           "(2D), a library pipeline (pp-gpipe, pp-1f1b, ...) with --tp",
+                     "pp": "pipeline parallelism: a --strategy pp-... (pp-1f1b, pp-gpipe, ...), with --dp N for "
+                           "FSDP inside each stage and --tp N for tensor parallel stages"}
             raise ConfigError(f"strategy {name!r} does not combine with {' and '.join(unknown)} "
                               f"({' '.join(f'{d}={getattr(self, d)}' for d in unknown)}); it takes {can}. "
                               f"For {'; for '.join(alone[d] for d in unknown)}")
-        if info.spans in ("tp", "pp") and self.dp not in (None, 1):
+        if info.spans in ("tp", "pp") and self.dp not in (None, 1) and "dp" not in info.combines:
             kind = "tensor" if info.spans == "tp" else "pipeline"
             raise ConfigError(f"strategy {name!r} is {kind} parallel only: it does not take dp={self.dp}")
         d = self.degrees

@@ -343,6 +343,9 @@ def transformer_block_types(model: nn.Module) -> tuple[type, ...]:
     """The repeated unit of a model: what checkpointing and FSDP wrap one by one."""
     if isinstance(model, GPT):
         return (Block,)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is not None and len(layers):  # a Hugging Face causal LM: model.model.layers
+        return (type(layers[0]),)
     from transformers.models.t5.modeling_t5 import T5Block
 
     return (T5Block,)

@@ -69,7 +69,7 @@ def parity(cases: list[dict], micro: int = 2, seq_len: int = 16, lr: float = 0.1
         m = case["m"]
         autocast = torch.bfloat16 if case.get("dtype") == "bf16" else None
         cfg = SimpleNamespace(strategy=case["strategy"], grad_accum_steps=m, optimizer="sgd", lr=lr, extra={},
-                              world_size=world)
+                              activation_checkpointing=False, world_size=world)
         base = build(case.get("model", "gpt-mini"), case.get("tied", True), seed)
         data = [micro_batches(base.cfg.vocab_size, m, micro, seq_len, seed + 1 + s) for s in range(steps)]
 
@@ -117,7 +117,8 @@ def refusal(strategy: str, m: int) -> str:
     world = dist.get_world_size()
     rt = SimpleNamespace(grid=RankGrid.build("cpu", pp=world), device=torch.device("cpu"),
                          world_size=world, rank=dist.get_rank())
-    cfg = SimpleNamespace(strategy=strategy, grad_accum_steps=m, optimizer="sgd", lr=0.1, extra={})
+    cfg = SimpleNamespace(strategy=strategy, grad_accum_steps=m, optimizer="sgd", lr=0.1, extra={},
+                          activation_checkpointing=False)
     try:
         prepare(build("deep"), cfg, rt)
     except ValueError as e:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from multigpu.comm import CommCounter
-from multigpu.models import apply_activation_checkpointing, build_model, compute_loss
+from multigpu.models import build_model, compute_loss
 from multigpu.strategies.tp import fused_state_dict
 
 
@@ -36,17 +36,6 @@ def _build(model_name: str, seed: int):
                 path.write_text(json.dumps({**json.loads(path.read_text()), "tie_word_embeddings": True}))
             return build_causal_lm(path, seed)
     return build_model(model_name, seed)
-
-
-def _checkpoint(model) -> None:
-    """Activation checkpointing on every block (the package's helper knows GPT and T5)."""
-    if model.__class__.__name__ == "GPT":
-        apply_activation_checkpointing(model)
-        return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing as ac
-
-    layer_type = type(model.model.layers[0])
-    ac(model, check_fn=lambda m: isinstance(m, layer_type))
 
 
 def _loss(model, batch):
@@ -86,7 +75,8 @@ def parity(model: str = "gpt-tiny", cases: list[dict] | None = None, batch: int 
     results = []
     for case in cases or [{}]:
         cfg = SimpleNamespace(optimizer=optimizer, lr=lr, extra={k: v for k, v in case.items()
-                                                                 if k != "activation_checkpointing"})
+                                                                 if k != "activation_checkpointing"},
+                              activation_checkpointing=bool(case.get("activation_checkpointing")))
         ref = copy.deepcopy(base)
         ref_opt = build_optimizer(ref.parameters(), cfg)
         ref_loss = _loss(ref, data)
@@ -96,9 +86,7 @@ def parity(model: str = "gpt-tiny", cases: list[dict] | None = None, batch: int 
         ref_state = ref.state_dict()
 
         ours = copy.deepcopy(base)
-        if case.get("activation_checkpointing"):
-            _checkpoint(ours)
-        par = prepare(ours, cfg, rt)
+        par = prepare(ours, cfg, rt)  # tensor parallel, then checkpointing if the case asks
         seen = []  # the residual stream as this rank holds it, entering the first block
         first = ours.model.layers[0] if hasattr(ours, "config") else ours.blocks["0"]
         hook = first.register_forward_pre_hook(lambda m, args, kwargs, seen=seen: seen.append(

@@ -27,7 +27,7 @@ from multigpu.comm import CommCounter, loopback_tx_bytes
 from multigpu.config import RunConfig, parse_fault
 from multigpu.data import TokenDataset, batches, make_loader
 from multigpu.memory import CATEGORIES, PeakMemoryTracker, empty_breakdown, model_state_bytes
-from multigpu.models import apply_activation_checkpointing, build_model, default_seq_len, vocab_size
+from multigpu.models import build_model, default_seq_len, vocab_size
 from multigpu.runtime import RankGrid
 
 PROGRESS_MARK = "@@multigpu-progress"  # rank 0 prints these lines; the launcher draws a bar
@@ -55,8 +55,6 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
     because a full copy of a large model costs as much memory as the model)."""
     rt.grid = RankGrid.build(rt.device.type, **cfg.process_degrees)
     model = build_model(cfg.model, cfg.seed)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
     model.to(rt.device)
     parameters = sum(p.numel() for p in model.parameters())  # before sharding hides them
     par = strategies.prepare(model, cfg, rt)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from multigpu.models import compute_loss
+from multigpu.models import apply_activation_checkpointing, compute_loss
 
 
 @dataclass
@@ -96,5 +96,12 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
 
 
 def prepare(model: nn.Module, cfg, rt) -> Parallelized:
-    """The strategy the table names for `cfg.strategy`, applied to `model`."""
-    return importlib.import_module(f"multigpu.strategies.{cfg.info.module}").prepare(model, cfg, rt)
+    """The strategy the table names for `cfg.strategy`, applied to `model`.
+
+    Activation checkpointing is applied here, before the strategy, unless the strategy
+    applies it itself at its place in the order of `compose.py` (after the pipeline split
+    and tensor parallelism); for a strategy that keeps whole layers the two are the same."""
+    strategy = importlib.import_module(f"multigpu.strategies.{cfg.info.module}")
+    if cfg.activation_checkpointing and not getattr(strategy, "CHECKPOINTS_ITSELF", False):
+        apply_activation_checkpointing(model)
+    return strategy.prepare(model, cfg, rt)

@@ -11,11 +11,18 @@ idle while backward computes. So, like DDP, we pack gradients into buckets of ab
 `bucket_cap_mb` and launch a bucket's all-reduce (asynchronously) the moment its last
 gradient is ready, while backward goes on computing earlier layers' gradients.
 (Li et al. 2020, "PyTorch Distributed", https://arxiv.org/abs/2006.15704)
+
+With `--tp N` it is 2D from scratch: the layers are first swapped for tp_scratch's
+column- and row-parallel ones over each group of N consecutive ranks (Megatron), then the
+buckets average each rank's weight shards with the ranks holding the same shards in the
+other replicas (the dp group). Tensor parallel first, data parallel last: the order of
+`compose.py`, by hand.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -97,7 +104,26 @@ class GradBuckets:
             self.enabled = True
 
 
+def config_problems(cfg) -> list[str]:
+    """What RunConfig.validate reports before any process starts."""
+    from multigpu.models import family
+
+    if cfg.degrees["tp"] > 1 and family(cfg.model) != "gpt":
+        return [f"with --tp it swaps the package's GPT layers for tp-scratch's, not {cfg.model}'s; "
+                "use --strategy fsdp --tp for a Hugging Face model"]
+    return []
+
+
 def prepare(model, cfg, rt) -> Parallelized:
+    module, tp_step, gather = model, (lambda: None), None
+    if rt.grid.size("tp") > 1:  # tensor parallel first: the buckets then hold this rank's shards
+        from multigpu.strategies import tp_scratch
+
+        tp_group, sp = rt.grid.group("tp"), bool(cfg.extra.get("sequence_parallel", False))
+        module = tp_scratch.parallelize(model, tp_group, sp)
+        gather = partial(tp_scratch.full_state_dict, model, tp_group)
+        if sp:
+            tp_step = partial(tp_scratch.sync_sequence_parallel_grads, model, tp_group)
     group = rt.grid.group("dp")
     with torch.no_grad():  # 1. same starting point everywhere: the group's first rank's weights
         for tensor in list(model.parameters()) + list(model.buffers()):
@@ -108,13 +134,15 @@ def prepare(model, cfg, rt) -> Parallelized:
 
     def step():
         buckets.finish()  # 3. wait for the last all-reduces, then update with the averages
+        tp_step()  # sequence parallelism: sum the sequence slices' gradients over the tp group
         optimizer.step()
 
     return Parallelized(
-        module=model,  # no wrapper: forward is the plain model's
+        module=module,  # no wrapper: forward is the plain model's (or tp_scratch's, with --tp)
         optimizer=optimizer,
         model=model,
         no_sync=buckets.no_sync,
         step=step,
         tracked=buckets.flat,
+        gather_state_dict=gather,
     )

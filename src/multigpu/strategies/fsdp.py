@@ -10,28 +10,24 @@ backward: one all-gather fewer, more memory. Options (RunConfig.extra):
 model one unit: everything is gathered at once, so the peak holds every parameter).
 dtype bf16-mixed adds a MixedPrecisionPolicy: bf16 parameters for compute, fp32 gradient
 reduction.
+
+With `--tp N` it is 2D: tensor parallel inside each group of N consecutive ranks, FSDP
+across the groups (the order in `compose.py`); each parameter is then a 2-D DTensor.
 """
 
 from contextlib import contextmanager
 
-import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from multigpu.models import transformer_blocks
-from multigpu.strategies import Parallelized, build_optimizer
+from multigpu.strategies import Parallelized, build_optimizer, compose
+from multigpu.strategies.tp import fused_state_dict
+
+CHECKPOINTS_ITSELF = True  # activation checkpointing is step 3 of compose's order
 
 
 def prepare(model, cfg, rt) -> Parallelized:
-    mesh = init_device_mesh(rt.device.type, (rt.world_size,))
     reshard = bool(cfg.extra.get("reshard_after_forward", True))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if cfg.dtype == "bf16-mixed" else MixedPrecisionPolicy())
-    if cfg.extra.get("wrap", "blocks") == "blocks":  # "root": one unit, to show why units matter
-        for block in transformer_blocks(model):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    module = compose.parallelize(model, cfg, rt.grid, shard=True, reshard_after_forward=reshard)
     optimizer = build_optimizer(model.parameters(), cfg)
 
     @contextmanager
@@ -42,9 +38,9 @@ def prepare(model, cfg, rt) -> Parallelized:
         finally:
             model.set_requires_gradient_sync(True)
 
-    def gather_state_dict():
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    def gather_state_dict():  # every parameter whole, under the single-device names
+        return fused_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
+                                 for k, v in model.state_dict().items()})
 
-    return Parallelized(module=model, optimizer=optimizer, model=model, no_sync=no_sync,
-                        gather_state_dict=gather_state_dict)
-
+    return Parallelized(module=module, optimizer=optimizer, model=model, no_sync=no_sync,
+                        backward=getattr(module, "backward", None), gather_state_dict=gather_state_dict)

@@ -42,6 +42,11 @@ Two pitfalls the schedules leave to us:
   after the backward (Megatron's "embedding group"); under V placement both copies are on
   rank 0, and the sum needs no communication.
 
+With `--tp` and `--dp` the pipeline is one dimension of a grid (PP x TP, PP x FSDP, and
+3D): each stage's piece is then made tensor parallel over its tp ranks and sharded with
+FSDP2 over its dp ranks, in the order of `compose.py`, and the library's stage drives
+FSDP (no reduce-scatter until a stage's last backward of the step).
+
 Options: none. The strategy name picks the schedule (`SCHEDULES`); m is grad_accum_steps.
 """
 
@@ -62,10 +67,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from multigpu.models import GPT, loss_from_logits
-from multigpu.strategies import Parallelized, build_optimizer
-from multigpu.strategies.pp_split import loss_to_all, split_gpt, sync_tied_embedding, tied_embedding_group
+from multigpu.strategies import Parallelized, build_optimizer, compose
+from multigpu.strategies.pp_split import local_grad, loss_to_all, split_gpt, sync_tied_embedding, tied_embedding_group
+from multigpu.strategies.tp import fused_state_dict
 
 
 @dataclass(frozen=True)
@@ -120,15 +127,20 @@ class StageModule(nn.Module):
             return self.piece(input_ids=x) if self.index == 0 else self.piece(hidden=x)
 
 
-def build_stages(model: GPT, schedule: Schedule, rank: int, p: int, device: torch.device) -> list[StageModule]:
-    """This rank's stages, each cut from its own copy of the whole model."""
+def build_stages(model: GPT, schedule: Schedule, rank: int, p: int, device: torch.device,
+                 cfg=None, grid=None) -> list[StageModule]:
+    """This rank's stages, each cut from its own copy of the whole model (step 1 of the
+    order in `compose.py`), then, given `cfg` and `grid`, steps 2-4 on each stage: tensor
+    parallel, activation checkpointing, FSDP with the stage as its root (the library's stage
+    drives FSDP only when the module it calls is the FSDP module)."""
     num_stages = p * schedule.stages_per_rank
-    return [StageModule(split_gpt(copy.deepcopy(model), i, num_stages), i, num_stages, device.type).to(device)
-            for i in stage_indices(schedule, rank, p)]
-
-
-def _grad(weight: torch.Tensor) -> torch.Tensor:
-    return weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    stages = [StageModule(split_gpt(copy.deepcopy(model), i, num_stages), i, num_stages, device.type).to(device)
+              for i in stage_indices(schedule, rank, p)]
+    if cfg is not None:
+        for stage in stages:  # the schedule computes the loss from whole logits: no loss_parallel
+            compose.parallelize(stage.piece, cfg, grid, shard=grid.size("dp") > 1, root=stage, loss_parallel=False,
+                                reshard_after_forward=False)
+    return stages
 
 
 def sync_tied(stages: list[StageModule], group) -> None:
@@ -139,9 +151,10 @@ def sync_tied(stages: list[StageModule], group) -> None:
     if first is last or not stages[0].piece.cfg.tie_embeddings:  # one stage: still one weight
         return
     if first is not None and last is not None:
-        a, b = first.piece.wte.weight, last.piece.lm_head.weight
-        total = _grad(a) + _grad(b)
-        a.grad, b.grad = total, total.clone()
+        a, b = local_grad(first.piece.wte.weight), local_grad(last.piece.lm_head.weight)
+        total = a + b  # both copies are cut alike: add the local shards
+        a.copy_(total)
+        b.copy_(total)
         return
     for s in (first, last):
         if s is not None:
@@ -179,10 +192,10 @@ def config_problems(cfg) -> list[str]:
     name, p, m = cfg.strategy, cfg.world_size, cfg.grad_accum_steps
     if name not in SCHEDULES:
         return [f"no pipeline schedule is called {name!r}; choose one of: {', '.join(SCHEDULES)}"]
+    p = cfg.degrees["pp"]
     problems = []
-    if getattr(cfg, "tp", 1) > 1 or getattr(cfg, "dp", None) not in (None, 1):
-        problems.append(f"{name} is pipeline parallel only for now: every one of the {p} processes is a "
-                        f"stage; drop --tp/--dp (seen tp={getattr(cfg, 'tp', 1)}, dp={getattr(cfg, 'dp', None)})")
+    if cfg.extra.get("sequence_parallel") and cfg.degrees["tp"] > 1:
+        problems.append(f"{name} does not run sequence parallelism inside its stages; drop --sequence-parallel")
     if family(cfg.model) != "gpt":
         return problems + [f"{name} cuts the package's GPT into stages; {cfg.model!r} is a {family(cfg.model)} "
                            "model: use a gpt-* preset"]
@@ -198,18 +211,18 @@ def config_problems(cfg) -> list[str]:
     return problems
 
 
+CHECKPOINTS_ITSELF = True  # activation checkpointing is step 3 of compose's order, per stage
+
+
 def prepare(model: nn.Module, cfg, rt) -> Parallelized:
     grid, name = rt.grid, cfg.strategy
-    if grid.size("dp") > 1 or grid.size("tp") > 1:
-        raise ValueError(f"{name} is pipeline parallel only for now: got a grid of dp {grid.size('dp')} x "
-                         f"tp {grid.size('tp')}; run it with every process a stage (dp = tp = 1)")
     if not isinstance(model, GPT):
         raise ValueError(f"{name} cuts the package's GPT into stages, not a {type(model).__name__}")
     schedule, p, rank, m = SCHEDULES[name], grid.size("pp"), grid.coord("pp"), cfg.grad_accum_steps
     why = microbatch_problem(name, m, p)
     if why:
         raise ValueError(why)
-    stages = build_stages(model, schedule, rank, p, rt.device)
+    stages = build_stages(model, schedule, rank, p, rt.device, cfg, grid)
     num_stages = stages[0].num_stages
     last_rank = stage_rank(schedule, num_stages - 1, p)
     # the embedding group joins pipeline ranks 0 and p-1: needed only when those are the two
@@ -251,7 +264,9 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
 
     def gather_state_dict() -> dict[str, torch.Tensor]:
         """Every stage's weights, whole model, single-device names, on every rank."""
-        mine = {s.index: {k: v.detach().cpu().clone() for k, v in s.piece.state_dict().items()} for s in stages}
+        mine = {s.index: {k: v.detach().cpu().clone() for k, v in fused_state_dict(
+            {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.piece.state_dict().items()}).items()}
+            for s in stages}
         parts = [None] * p
         dist.all_gather_object(parts, mine, group=grid.group("pp"))
         by_stage = {i: state for part in parts for i, state in part.items()}

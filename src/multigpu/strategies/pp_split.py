@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from multigpu.models import GPT
 
@@ -78,9 +79,23 @@ def sync_tied_embedding(model: GPT, group, stage: int, num_stages: int) -> None:
     if group is None or not is_tied(model) or stage not in (0, num_stages - 1):
         return
     weight = model.wte.weight if stage == 0 else model.lm_head.weight
+    dist.all_reduce(local_grad(weight), group=group)
+
+
+def local_grad(weight: torch.Tensor) -> torch.Tensor:
+    """The part of `weight`'s gradient this rank holds, as a plain tensor that aliases it
+    (made zero if backward left none). Under TP and FSDP a weight is a DTensor, and so is
+    its gradient, but not always placed like the weight (the vocabulary-parallel
+    embedding's comes back replicated): we place it like the weight, so that the two
+    copies of a tied embedding, cut alike, hold the same rows on the same rank."""
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=group)
+    grad = weight.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    if grad.placements != weight.placements:
+        weight.grad = grad = grad.redistribute(weight.device_mesh, weight.placements)
+    return grad.to_local()
 
 
 def loss_to_all(loss: float, grid, src: int | None = None) -> float:

@@ -163,14 +163,18 @@ def parallelize_gpt(model: GPT, tp_mesh, sequence_parallel: bool = False, loss_p
     A tied head and embedding share one (vocab, d) weight; both styles cut it by rows
     (dim 0), but each makes its own DTensor parameter, so we tie them again after."""
     cfg, tp = model.cfg, tp_mesh.size()
+    # a pipeline stage's piece lacks the modules other stages own (the embeddings, the head):
+    # only the plan's entries for the modules it has apply
+    present = {name for name, _ in model.named_children()}
+    plan = {k: v for k, v in gpt_plan(sequence_parallel, loss_parallel).items() if k.split(".")[0] in present}
     _require_divides(tp, cfg.n_head, "attention heads")
     _require_divides(tp, cfg.d_ff, "MLP hidden units (d_ff)")
     _require_divides(tp, cfg.vocab_size, "vocabulary entries (the embedding and head are cut by token)")
     if sequence_parallel:
         _require_divides(tp, cfg.seq_len, "rows of the position table (sequence parallelism cuts it by position)")
-    tied = model.lm_head.weight is model.wte.weight
+    tied = model.lm_head is not None and model.wte is not None and model.lm_head.weight is model.wte.weight
     split_qkv(model)
-    parallelize_module(model, tp_mesh, concrete_plan(model, gpt_plan(sequence_parallel, loss_parallel)))
+    parallelize_module(model, tp_mesh, concrete_plan(model, plan))
     if tied:
         model.lm_head.weight = model.wte.weight  # same placement (Shard(0)), same local rows
     if sequence_parallel:
@@ -277,10 +281,13 @@ def config_problems(cfg) -> list[str]:
     return []
 
 
+CHECKPOINTS_ITSELF = True  # activation checkpointing is step 3 of compose's order, after TP
+
+
 def prepare(model, cfg, rt) -> Parallelized:
-    extra = cfg.extra or {}
-    module = parallelize(model, rt.grid.mesh["tp"], sequence_parallel=bool(extra.get("sequence_parallel", False)),
-                         loss_parallel=bool(extra.get("loss_parallel", True)))
+    from multigpu.strategies import compose
+
+    module = compose.parallelize(model, cfg, rt.grid, shard=False)
     optimizer = build_optimizer(model.parameters(), cfg)  # DTensor parameters: each rank updates its shard
 
     def gather_state_dict():  # every parameter whole, under the single-device names

@@ -1,0 +1,79 @@
+"""The order in which parallelisms are applied to a model: one place, for every composition.
+
+A run's processes form a pp x dp x tp grid (`runtime.RankGrid`). The library strategies
+build a model for it in four steps, always in this order (torchtitan's, and Hugging Face
+transformers' `maybe_distribute_model`: pytorch/torchtitan at 42b0beb,
+torchtitan/models/llama3/infra/parallelize.py and pipeline.py):
+
+1. **Pipeline split** (`pp.build_stages`): each rank keeps its stages' blocks, from a whole
+   model built from the same seed. It comes first because everything after works on the
+   modules a rank keeps: there is no point cutting or sharding what it will delete.
+2. **Tensor parallelism** (`tp.parallelize`): every weight matrix of the kept modules is cut
+   over the tp ranks and becomes a DTensor on the tp mesh. It must see the plain modules,
+   whose paths its plan names.
+3. **Activation checkpointing**: each block wrapped to recompute its forward in backward.
+   Recomputing a tensor-parallel block repeats its collectives, which is correct because
+   every rank of the tp group recomputes too.
+4. **Data parallelism, sharded** (FSDP2 `fully_shard` on the dp mesh, each block, then
+   the root): it shards whatever the steps before left, including TP's DTensors (which
+   become 2-D: `_StridedShard` on dp, `Shard` on tp), and gathers a block's parameters
+   around its forward, also around its recomputation in backward. It comes last
+   because it must wrap the final modules: sharding first and then swapping layers
+   would swap out the sharded parameters.
+
+Under a pipeline, FSDP keeps the gathered parameters from forward to backward
+(`reshard_after_forward=False`): a stage runs many micro-batches' forwards before their
+backwards, and re-gathering for each would multiply the all-gathers by the micro-batches.
+
+`fsdp --tp N` (2D) applies steps 2-4 to the whole model; `pp-* --tp N --dp N` (PP x TP,
+PP x FSDP, 3D) applies step 1, then steps 2-4 to each stage. The from-scratch 2D
+composition (`ddp-scratch --tp N`, in `ddp_scratch.py`) swaps the layers for
+tp_scratch's and averages gradients over the dp group: the same order, by hand.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from multigpu.models import apply_activation_checkpointing, transformer_blocks
+
+ORDER = ("pipeline split", "tensor parallel", "activation checkpointing", "data parallel / sharding")
+
+
+def parallelize(model: nn.Module, cfg, grid, *, shard: bool, root: nn.Module | None = None,
+                loss_parallel: bool | None = None, reshard_after_forward: bool = True) -> nn.Module:
+    """Steps 2-4 of the order on `model` (a whole model, or one pipeline stage's piece), in
+    place; step 4 when `shard` (FSDP over the grid's dp ranks). `root`: the module FSDP
+    wraps last (default `model`; a pipeline stage passes the module the schedule calls,
+    which must itself be the FSDP module). Returns the module
+    whose call computes the loss: `tp.LossModule` when tp > 1 (loss-parallel cross-entropy
+    needs its context), else `model`. loss_parallel: None reads extra `loss_parallel`
+    (default on); a pipeline stage, whose loss the schedule computes, passes False."""
+    module = model
+    extra = cfg.extra or {}
+    if grid.size("tp") > 1:  # 2. tensor parallel
+        from multigpu.strategies import tp
+
+        module = tp.parallelize(model, grid.mesh["tp"], sequence_parallel=bool(extra.get("sequence_parallel")),
+                                loss_parallel=extra.get("loss_parallel", True) if loss_parallel is None
+                                else loss_parallel)
+    if cfg.activation_checkpointing:  # 3. activation checkpointing
+        apply_activation_checkpointing(model)
+    if shard:  # 4. data parallel, sharded
+        fully_shard_blocks(model, grid.mesh["dp"], cfg, root=root, reshard_after_forward=reshard_after_forward)
+    return module
+
+
+def fully_shard_blocks(model: nn.Module, dp_mesh, cfg, *, root: nn.Module | None = None,
+          reshard_after_forward: bool = True) -> None:
+    """FSDP2 over the data-parallel ranks: each transformer block one unit, then the root.
+    dtype bf16-mixed: bf16 parameters for compute, fp32 gradient reduction.
+    extra `wrap`: "blocks" (default) or "root" (the whole model one unit)."""
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if cfg.dtype == "bf16-mixed" else MixedPrecisionPolicy())
+    if (cfg.extra or {}).get("wrap", "blocks") == "blocks":
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(root or model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
