@@ -92,6 +92,15 @@ BAD_INPUTS = {
     "negative port": (["--port", "-1"], "port must be a whole number from 1 to 65535, got -1"),
     "timeout not positive": (["--timeout", "0"], "timeout must be a positive number of seconds"),
     "learning rate nan": (["--lr", "nan"], "lr must be a finite number"),
+    # many nodes: an endpoint is needed, the node rank must be one of the nodes
+    "nodes without an endpoint": (["--strategy", "ddp", "--world-size", "4", "--nnodes", "2"],
+                                  "2 nodes need a rendezvous endpoint"),
+    "node rank out of range": (["--strategy", "ddp", "--world-size", "4", "--nnodes", "2", "--node-rank", "5",
+                                "--rdzv-endpoint", "10.0.0.1:29500"],
+                               "node_rank must be a whole number from 0 to nnodes - 1 = 1"),
+    # compositions: the grid must tile the world
+    "3D grid that does not tile": (["--strategy", "pp-1f1b", "--world-size", "8", "--tp", "2", "--dp", "3"],
+                                   "world size 8 != dp 3 x pp 1 x tp 2 = 6"),
     # pipelines: more stages than blocks, too few micro-batches for the schedule
     "more stages than blocks": (["--strategy", "pp-1f1b-scratch", "--world-size", "4"],
                                 "4 stages cannot split gpt-tiny's 2 blocks"),

@@ -200,3 +200,77 @@ def test_a_diverging_run_fails_and_says_why(strategy, world_size):
 def test_a_non_finite_learning_rate_is_bad_input(lr):
     with pytest.raises(ConfigError, match="lr must be a finite number"):
         RunConfig(lr=lr).validate()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_nodes_train_like_one_device(tmp_path, run_dirs, processes_mentioning):
+    """Two torchrun agents on this machine stand in for two nodes: each is started the way
+    a node is (same config, its own node rank, one rendezvous endpoint), they meet over
+    c10d, and the 4 processes train exactly like one process on the whole batch."""
+    import torch
+
+    cfg = RunConfig(strategy="fsdp", world_size=4, tp=2, steps=3, optimizer="sgd-momentum", lr=0.05,
+                    track_memory=False).validate()  # 2D across the "nodes": tp inside, fsdp across
+    endpoint = f"127.0.0.1:{_free_port()}"
+    out: dict = {}
+
+    def node(rank: int) -> None:
+        try:
+            out[rank] = launch(cfg, nnodes=2, node_rank=rank, rdzv_endpoint=endpoint, progress=False,
+                               params_path=tmp_path / f"node{rank}.pt", timeout_s=240)
+        except BaseException as err:  # noqa: BLE001 (reported below)
+            out[rank] = err
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(out[r], dict) for r in (0, 1)), out
+    assert out[0]["loss"] == out[1]["loss"]  # every node gets the record
+    reference = launch(cfg.replace(strategy="single", world_size=1, tp=1), progress=False,
+                       params_path=tmp_path / "single.pt")
+    assert max(abs(a - b) for a, b in zip(out[0]["loss"], reference["loss"])) <= 1e-5
+    ours, ref = torch.load(tmp_path / "node1.pt"), torch.load(tmp_path / "single.pt")
+    assert ours.keys() == ref.keys()
+    assert max((ours[k] - ref[k]).abs().max().item() for k in ref) <= 1e-5
+    assert processes_mentioning(str(run_dirs)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("node_rank", [0, 1], ids=["node0-alone", "node1-nobody-at-endpoint"])
+def test_a_node_that_meets_nobody_stops_in_bounded_time(node_rank, run_dirs, processes_mentioning):
+    """Node 0 waiting for a node that never comes, or node 1 pointed at an endpoint where no
+    one listens: a message that says where they were to meet and what to check, within the
+    timeout, and no process left behind."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    message, elapsed = _failure(RunConfig(strategy="ddp", world_size=4, steps=2), nnodes=2, node_rank=node_rank,
+                                rdzv_endpoint=endpoint, timeout_s=15)
+    assert f"the nodes did not meet at {endpoint}" in message
+    assert "node 0 runs the same command with node_rank 0" in message
+    assert elapsed < 45
+    assert processes_mentioning(str(run_dirs)) == []
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(nnodes=2), "2 nodes need a rendezvous endpoint"),
+    (dict(nnodes=2, node_rank=2, rdzv_endpoint="10.0.0.1:29500"), "node_rank must be a whole number from 0 to "
+                                                                  "nnodes - 1 = 1, got 2"),
+    (dict(nnodes=0), "nnodes must be a whole number >= 1"),
+    (dict(nnodes=3, rdzv_endpoint="10.0.0.1:29500"), "world_size=4 processes do not split evenly over 3 nodes"),
+    (dict(nnodes=2, rdzv_endpoint="10.0.0.1"), "rdzv_endpoint must look like HOST:PORT"),
+    (dict(nnodes=2, rdzv_endpoint="10.0.0.1:70000"), "rdzv_endpoint must look like HOST:PORT"),
+    (dict(nnodes=2, rdzv_endpoint="10.0.0.1:29500", port=29501), "either port (one machine) or rdzv_endpoint"),
+])
+def test_bad_node_arguments_are_refused_before_anything_starts(kwargs, expected, run_dirs):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        launch(RunConfig(strategy="ddp", world_size=4), progress=False, **kwargs)
+    assert list(run_dirs.iterdir()) == []

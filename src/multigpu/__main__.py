@@ -76,7 +76,8 @@ def cmd_run(args) -> int:
     from multigpu.launch import launch
 
     cfg = _config(args)
-    record = launch(cfg, port=args.port, timeout_s=args.timeout, progress=None if not args.json else False)
+    record = launch(cfg, port=args.port, timeout_s=args.timeout, progress=None if not args.json else False,
+                    nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
     if args.json:
         print(json.dumps(record))
         return 0
@@ -232,7 +233,8 @@ def cmd_figures(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (what `main` parses; recipes' commands are checked with it)."""
     parser = argparse.ArgumentParser(prog="python -m multigpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -240,6 +242,12 @@ def main(argv=None) -> int:
     _add_run_options(run)
     run.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     run.add_argument("--timeout", type=float, default=900, help="seconds before the run is stopped")
+    run.add_argument("--nnodes", type=int, default=1, help="machines in the run; each runs this same command "
+                     "with its own --node-rank and starts world-size / nnodes processes")
+    run.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 to nnodes - 1; node 0 "
+                     "hosts the rendezvous")
+    run.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT where the nodes meet: node 0's address and "
+                     "a free port every node can reach (needed with --nnodes > 1)")
     run.set_defaults(func=cmd_run)
     chk = sub.add_parser("check", help="parity of a strategy with single-device training")
     _add_run_options(chk)
@@ -289,7 +297,11 @@ def main(argv=None) -> int:
     fig = sub.add_parser("figures", help="run the experiments behind the book's figures")
     fig.add_argument("--experiments", nargs="*", default=None, help="names (default: all)")
     fig.set_defaults(func=cmd_figures)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     from multigpu.launch import LaunchError
 

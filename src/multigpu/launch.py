@@ -111,13 +111,21 @@ def launch(
     port: int | None = None,
     params_path: Path | None = None,
     verbose: bool = False,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
 ) -> dict:
     """Run `cfg` on `cfg.world_size` processes; return the run's record (see records.py).
 
     timeout_s: stop every worker and raise if no record came back by then.
     port: rendezvous port on 127.0.0.1; None lets torchrun pick a free one.
     params_path: also save the trained weights (rank 0's full copy) there.
-    verbose: echo the workers' own output."""
+    verbose: echo the workers' own output.
+    Many nodes: every node calls `launch` with the same `cfg` (world_size counts the
+    processes of all nodes), the same `nnodes` and `rdzv_endpoint` ("HOST:PORT", reachable
+    from every node), and its own `node_rank`; node 0 hosts the rendezvous there. Each node
+    starts world_size / nnodes workers; which global ranks they get is the rendezvous's
+    choice. Every node gets the record back."""
     from multigpu.runtime import choose_device
 
     cfg.validate()
@@ -126,8 +134,9 @@ def launch(
                           "torchrun pick a free one")
     if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout_s!r}")
+    per_node = check_nodes(cfg, nnodes, node_rank, rdzv_endpoint, port)
     try:
-        device, backend, why = choose_device(cfg.device, cfg.world_size)
+        device, backend, why = choose_device(cfg.device, per_node)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if cfg.info.one_process:  # one process: no backend, the replicas are threads
@@ -136,7 +145,13 @@ def launch(
         why = importlib.import_module(f"multigpu.strategies.{cfg.info.module}").launch_note(cfg, device)
     _say_once(f"multigpu: using {why}")
 
-    if port is not None:
+    if rdzv_endpoint is not None:
+        # node 0 hosts the rendezvous store; the others only connect to it. Joining waits at
+        # most timeout_s for every node, and each store read at most a minute
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=multigpu",
+                      f"--rdzv-conf=is_host={int(node_rank == 0)},join_timeout={math.ceil(timeout_s)},"
+                      f"read_timeout={min(60, math.ceil(timeout_s))}"]
+    elif port is not None:
         check_port_free(port)
         rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
     else:
@@ -144,23 +159,54 @@ def launch(
     out_dir = Path(tempfile.mkdtemp(prefix="multigpu-run-"))
     try:  # whatever happens, the run's folder goes away
         return _run(cfg, device, rendezvous, out_dir, timeout_s=timeout_s, progress=progress,
-                    params_path=params_path, verbose=verbose)
+                    params_path=params_path, verbose=verbose, nnodes=nnodes, endpoint=rdzv_endpoint)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
+def check_nodes(cfg: RunConfig, nnodes, node_rank, rdzv_endpoint, port) -> int:
+    """The node arguments, checked before anything starts; returns the processes per node."""
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise ConfigError(f"nnodes must be a whole number >= 1, got {nnodes!r}")
+    if not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise ConfigError(f"node_rank must be a whole number from 0 to nnodes - 1 = {nnodes - 1}, got {node_rank!r}")
+    if nnodes > 1 and rdzv_endpoint is None:
+        raise ConfigError(f"{nnodes} nodes need a rendezvous endpoint every node can reach: pass "
+                          "rdzv_endpoint='HOST:PORT' (--rdzv-endpoint), HOST being node 0's address")
+    if rdzv_endpoint is not None:
+        if port is not None:
+            raise ConfigError("give either port (one machine) or rdzv_endpoint (HOST:PORT, many nodes), not both")
+        host, _, number = str(rdzv_endpoint).rpartition(":")
+        if not host or not number.isdigit() or not 1 <= int(number) <= 65535:
+            raise ConfigError(f"rdzv_endpoint must look like HOST:PORT with a port from 1 to 65535 "
+                              f"(e.g. 10.0.0.1:29500), got {rdzv_endpoint!r}")
+    if cfg.processes % nnodes:
+        raise ConfigError(f"world_size={cfg.processes} processes do not split evenly over {nnodes} nodes; use a "
+                          f"multiple of {nnodes} (each node runs world_size / nnodes)")
+    return cfg.processes // nnodes
+
+
 def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, timeout_s, progress,
-         params_path, verbose) -> dict:
+         params_path, verbose, nnodes: int = 1, endpoint: str | None = None) -> dict:
     (out_dir / "config.json").write_text(cfg.to_json())
     args = ["-m", "multigpu.worker", "--config", str(out_dir / "config.json"), "--out", str(out_dir),
             "--device", device, *(["--save-params"] if params_path is not None else [])]
     start = time.monotonic()
-    rc, tail = run_torchrun(
-        args, processes=cfg.processes, rendezvous=rendezvous,
-        threads=cfg.threads_per_worker or threads_per_process(cfg.world_size),
-        timeout_s=timeout_s, progress=progress, bar=(cfg.steps, f"{cfg.strategy} x{cfg.world_size}"),
-        verbose=verbose,
-        timeout_hint=f"raise timeout_s or run fewer steps ({cfg.steps}) or a smaller model ({cfg.model})")
+    per_node = cfg.processes // nnodes
+    try:
+        rc, tail = run_torchrun(
+            args, processes=per_node, rendezvous=rendezvous, nnodes=nnodes,
+            threads=cfg.threads_per_worker or threads_per_process(per_node),
+            timeout_s=timeout_s, progress=progress, bar=(cfg.steps, f"{cfg.strategy} x{cfg.world_size}"),
+            verbose=verbose,
+            timeout_hint=f"raise timeout_s or run fewer steps ({cfg.steps}) or a smaller model ({cfg.model})")
+    except LaunchError as err:
+        if endpoint is not None and not any(out_dir.glob("started-rank*")):  # no worker ever started
+            raise LaunchError(_rendezvous_message([f"this node's workers never started within {timeout_s:g} s, "
+                                                   "so it was stopped"], endpoint, nnodes)) from None
+        raise
+    if rc != 0 and endpoint is not None and not any(out_dir.glob("started-rank*")):
+        raise LaunchError(_rendezvous_message(tail, endpoint, nnodes))
     if rc != 0 or not (out_dir / "record.json").exists():
         raise LaunchError(_failure_message(out_dir, rc, tail))
     record = json.loads((out_dir / "record.json").read_text())
@@ -170,13 +216,23 @@ def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, t
     return record
 
 
+def _rendezvous_message(tail: list[str], endpoint: str, nnodes: int) -> str:
+    """torchrun never started this node's workers: the nodes did not meet. Say where, and why
+    that usually happens."""
+    error = next((line.strip() for line in reversed(tail) if "Rendezvous" in line and "Error" in line), tail[-1])
+    return (f"the nodes did not meet at {endpoint}: {error}\n"
+            f"Check that node 0 runs the same command with node_rank 0 (it hosts the rendezvous), that all "
+            f"{nnodes} nodes were started, that every node reaches {endpoint} (address and firewall), and "
+            "that the port is free on node 0.")
+
+
 def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], threads: int, timeout_s: float,
                  progress: bool | None, bar: tuple[int, str], verbose: bool = False,
-                 timeout_hint: str = "raise timeout_s") -> tuple[int, list[str]]:
-    """Run `python -m torch.distributed.run ... <args>` on `processes` workers; return
-    (exit code, last output lines). Draws progress lines as a bar; stops every worker on a
-    timeout or an interrupt, so nothing is left running."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nnodes=1",
+                 timeout_hint: str = "raise timeout_s", nnodes: int = 1) -> tuple[int, list[str]]:
+    """Run `python -m torch.distributed.run ... <args>` on `processes` workers of this node
+    (one of `nnodes`); return (exit code, last output lines). Draws progress lines as a bar;
+    stops every worker on a timeout or an interrupt, so nothing is left running."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nnodes={nnodes}",
            f"--nproc-per-node={processes}", "--max-restarts=0", *args]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([_SRC, *filter(None, [os.environ.get("PYTHONPATH")])]))

@@ -86,6 +86,7 @@ def run_worker(out: Path, body: Callable[[int], None]) -> NoReturn:
     that takes the GIL during finalization aborts the process, a run whose results were
     all written (pytorch/pytorch#190489). Everything a worker produces is on disk by then."""
     rank = int(os.environ.get("RANK", 0))
+    (out / f"started-rank{rank}").touch()  # torchrun starts workers once the nodes have met
     code = 0
     try:
         body(rank)
@@ -124,7 +125,7 @@ def main(argv=None) -> NoReturn:
         state_dict = result.pop("state_dict")
         gathered = [None] * rt.world_size
         dist.all_gather_object(gathered, result)
-        if rt.is_main:
+        if rt.local_rank == 0:  # every node's launcher gets the record (all ranks have every result)
             if args.save_params:
                 torch.save(state_dict, args.out / "params.pt")
             write_atomic(args.out / "record.json", json.dumps(build_record(cfg, rt, gathered)).encode())
