@@ -216,8 +216,10 @@ def test_two_nodes_train_like_one_device(tmp_path, run_dirs, processes_mentionin
     c10d, and the 4 processes train exactly like one process on the whole batch."""
     import torch
 
-    cfg = RunConfig(strategy="fsdp", world_size=4, tp=2, steps=3, optimizer="sgd-momentum", lr=0.05,
-                    track_memory=False).validate()  # 2D across the "nodes": tp inside, fsdp across
+    # hybrid sharding, as across real nodes: each node's 2 processes shard the model (their
+    # ranks are consecutive), the two nodes are replicas of each other
+    cfg = RunConfig(strategy="fsdp", world_size=4, steps=3, optimizer="sgd-momentum", lr=0.05,
+                    track_memory=False, extra={"replicas": 2}).validate()
     endpoint = f"127.0.0.1:{_free_port()}"
     out: dict = {}
 
@@ -235,7 +237,7 @@ def test_two_nodes_train_like_one_device(tmp_path, run_dirs, processes_mentionin
         t.join()
     assert all(isinstance(out[r], dict) for r in (0, 1)), out
     assert out[0]["loss"] == out[1]["loss"]  # every node gets the record
-    reference = launch(cfg.replace(strategy="single", world_size=1, tp=1), progress=False,
+    reference = launch(cfg.replace(strategy="single", world_size=1, extra={}), progress=False,
                        params_path=tmp_path / "single.pt")
     assert max(abs(a - b) for a, b in zip(out[0]["loss"], reference["loss"])) <= 1e-5
     ours, ref = torch.load(tmp_path / "node1.pt"), torch.load(tmp_path / "single.pt")

@@ -225,6 +225,7 @@ def test_pipeline_matches_single_device(strategy, world_size, tmp_path):
 COMPOSITIONS = [
     ("fsdp", 4, dict(tp=2)),  # 2D: FSDP over 2 replicas of a 2-way tensor-parallel model
     ("fsdp", 4, dict(tp=2, extra={"sequence_parallel": True})),
+    ("fsdp", 4, dict(extra={"replicas": 2})),  # HSDP: sharded over 2 ranks, 2 replicas of that
     ("ddp-scratch", 4, dict(tp=2, extra={"sequence_parallel": True})),  # 2D from scratch
     ("pp-1f1b", 4, dict(tp=2, grad_accum_steps=2)),  # PP x TP
     ("pp-1f1b", 4, dict(dp=2, grad_accum_steps=2)),  # PP x FSDP
@@ -237,10 +238,27 @@ COMPOSITIONS = [
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy, world_size, overrides", COMPOSITIONS,
-                         ids=["fsdp-tp", "fsdp-tp-sp", "ddp-scratch-tp-sp", "pp-tp", "pp-fsdp", "pp-zbv-tp",
+                         ids=["fsdp-tp", "fsdp-tp-sp", "hsdp", "ddp-scratch-tp-sp", "pp-tp", "pp-fsdp", "pp-zbv-tp",
                               "pp-fsdp-tp-3d-checkpointing"])
 def test_compositions_match_single_device(strategy, world_size, overrides):
     """dp x pp x tp ranks (gradients averaged over dp, summed partial products over tp,
     activations passed between stages) train like one process on the whole batch."""
     result = check(strategy, world_size, steps=STEPS, tolerance=TOLERANCE, progress=False, **overrides)
     assert_parity(result, strategy, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hybrid_sharding_all_reduces_each_shard_across_replicas():
+    """HSDP on 4 ranks as 2 replicas x 2 shards: inside a replica FSDP's reduce-scatter of
+    the whole gradients, then each rank all-reduces its shard (half of them) with the other
+    replica; plain FSDP over 4 ranks has no all-reduce at all."""
+    def comm(extra):
+        cfg = RunConfig(strategy="fsdp", world_size=4, steps=3, extra=extra, track_memory=False).validate()
+        record = launch(cfg, progress=False)
+        return record["comm_calls_per_step_by_rank"][0], record["comm_payload_bytes_per_step_by_rank"][0]
+
+    (plain_calls, _), (calls, payload) = comm({}), comm({"replicas": 2})
+    assert "all_reduce" not in plain_calls
+    assert calls["all_reduce"] == calls["reduce_scatter"]  # one per unit
+    assert payload["all_reduce"] * 2 == payload["reduce_scatter"]  # the shard: 1/2 of the gradients

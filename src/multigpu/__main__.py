@@ -26,6 +26,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="data-parallel degree (default: what --world-size leaves after --tp and --pp)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="tensor parallelism: also split the sequence between the blocks (Korthikanti et al.)")
+    p.add_argument("--hsdp-replicas", type=int, default=None,
+                   help="fsdp: hybrid sharding, the data-parallel ranks cut into this many groups that each "
+                        "shard the model and replicate each other (shard inside a node, replicate across)")
     p.add_argument("--model", default=d.model,
                    help="model preset (gpt-tiny, gpt2, t5-small, ...) or a Hugging Face config.json")
     p.add_argument("--global-batch-size", "--batch-size", type=int, default=d.global_batch_size,
@@ -51,6 +54,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 def _config(args) -> RunConfig:
     world_size = args.world_size if args.world_size is not None else (1 if args.strategy == "single" else 2)
     extra = {"sequence_parallel": True} if args.sequence_parallel else {}
+    if args.hsdp_replicas is not None:
+        if args.strategy != "fsdp":
+            raise ConfigError(f"--hsdp-replicas is hybrid sharding, an fsdp option; got --strategy {args.strategy}")
+        extra["replicas"] = args.hsdp_replicas
     cfg = RunConfig(strategy=args.strategy, world_size=world_size, tp=args.tp, pp=args.pp, dp=args.dp,
                     model=args.model, extra=extra)
     global_batch_size = args.global_batch_size

@@ -200,7 +200,7 @@ def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, t
             timeout_s=timeout_s, progress=progress, bar=(cfg.steps, f"{cfg.strategy} x{cfg.world_size}"),
             verbose=verbose,
             timeout_hint=f"raise timeout_s or run fewer steps ({cfg.steps}) or a smaller model ({cfg.model})")
-    except LaunchError as err:
+    except LaunchError:
         if endpoint is not None and not any(out_dir.glob("started-rank*")):  # no worker ever started
             raise LaunchError(_rendezvous_message([f"this node's workers never started within {timeout_s:g} s, "
                                                    "so it was stopped"], endpoint, nnodes)) from None

@@ -15,11 +15,12 @@ torchtitan/models/llama3/infra/parallelize.py and pipeline.py):
    Recomputing a tensor-parallel block repeats its collectives, which is correct because
    every rank of the tp group recomputes too.
 4. **Data parallelism, sharded** (FSDP2 `fully_shard` on the dp mesh, each block, then
-   the root): it shards whatever the steps before left, including TP's DTensors (which
-   become 2-D: `_StridedShard` on dp, `Shard` on tp), and gathers a block's parameters
-   around its forward, also around its recomputation in backward. It comes last
-   because it must wrap the final modules: sharding first and then swapping layers
-   would swap out the sharded parameters.
+   the root; or hybrid, HSDP: sharded inside groups of dp ranks, replicated across them):
+   it shards whatever the steps before left, including TP's DTensors (which become 2-D:
+   `_StridedShard` on dp, `Shard` on tp), and gathers a block's parameters around its
+   forward, also around its recomputation in backward. It comes last because it must wrap
+   the final modules: sharding first and then swapping layers would swap out the sharded
+   parameters.
 
 Under a pipeline, FSDP keeps the gathered parameters from forward to backward
 (`reshard_after_forward=False`): a stage runs many micro-batches' forwards before their
@@ -61,8 +62,10 @@ def parallelize(model: nn.Module, cfg, grid, *, shard: bool, root: nn.Module | N
                                 else loss_parallel)
     if cfg.activation_checkpointing:  # 3. activation checkpointing
         apply_activation_checkpointing(model)
-    if shard:  # 4. data parallel, sharded
-        fully_shard_blocks(model, grid.mesh["dp"], cfg, root=root, reshard_after_forward=reshard_after_forward)
+    if shard:  # 4. data parallel, sharded (or hybrid: sharded in groups, the groups replicas)
+        replicas = int(extra.get("replicas", 1))
+        dp_mesh = grid.mesh["dp"] if replicas == 1 else hybrid_mesh(grid, replicas)
+        fully_shard_blocks(model, dp_mesh, cfg, root=root, reshard_after_forward=reshard_after_forward)
     return module
 
 
@@ -77,3 +80,20 @@ def fully_shard_blocks(model: nn.Module, dp_mesh, cfg, *, root: nn.Module | None
         for block in transformer_blocks(model):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(root or model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+
+
+def hybrid_mesh(grid, replicas: int):
+    """The dp ranks as a 2-D mesh (dp_replicate, dp_shard) for hybrid sharding (HSDP,
+    `fully_shard` on a 2-D mesh): parameters sharded over the dp_shard ranks, which are
+    consecutive (on a cluster, the GPUs of one node, joined by the fast links), and whole
+    copies of those shards kept by each of the `replicas` groups (across nodes), whose
+    gradients are all-reduced over the slow links once per step: the all-gathers of every
+    block stay inside a node (Zhao et al. 2023, PyTorch FSDP, https://arxiv.org/abs/2304.11277, §3.2.2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = grid.size("dp")
+    if dp % replicas:
+        raise ValueError(f"{replicas} replicas do not divide the {dp} data-parallel ranks; use a divisor of {dp}")
+    mesh = init_device_mesh(grid.device_type, (grid.size("pp"), replicas, dp // replicas, grid.size("tp")),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    return mesh["dp_replicate", "dp_shard"]

@@ -11,6 +11,9 @@ model one unit: everything is gathered at once, so the peak holds every paramete
 dtype bf16-mixed adds a MixedPrecisionPolicy: bf16 parameters for compute, fp32 gradient
 reduction.
 
+Option `replicas` (--hsdp-replicas R): hybrid sharding (HSDP), the dp ranks cut into R
+groups, each sharding the model, the groups replicas of each other (`compose.hybrid_mesh`).
+
 With `--tp N` it is 2D: tensor parallel inside each group of N consecutive ranks, FSDP
 across the groups (the order in `compose.py`); each parameter is then a 2-D DTensor.
 """
@@ -23,6 +26,16 @@ from multigpu.strategies import Parallelized, build_optimizer, compose
 from multigpu.strategies.tp import fused_state_dict
 
 CHECKPOINTS_ITSELF = True  # activation checkpointing is step 3 of compose's order
+
+
+def config_problems(cfg) -> list[str]:
+    """What RunConfig.validate reports before any process starts."""
+    replicas, dp = cfg.extra.get("replicas", 1), cfg.degrees["dp"]
+    if not isinstance(replicas, int) or replicas < 1 or dp % replicas:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        return [f"hybrid sharding cuts the {dp} data-parallel ranks into replicas groups: replicas={replicas!r} "
+                f"must be a whole number dividing {dp} ({', '.join(map(str, divisors))})"]
+    return []
 
 
 def prepare(model, cfg, rt) -> Parallelized:
