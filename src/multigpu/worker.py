@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -102,8 +103,10 @@ def run_worker(out: Path, body: Callable[[int], None]) -> NoReturn:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write aside, then rename: the launcher never reads half a file."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write aside, then rename: the launcher never reads half a file. The aside name is
+    this process's own: the first worker of every node writes the record, and nodes
+    started by another launcher may share one --out folder."""
+    tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
@@ -115,6 +118,7 @@ def main(argv=None) -> NoReturn:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--save-params", action="store_true", help="rank 0 writes params.pt")
     args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)  # a launcher other than ours may not have made it
 
     def body(rank: int) -> None:
         from multigpu.train import train
