@@ -605,3 +605,38 @@ def bubble_vs_formula(rows: list[dict], formulas: dict, records, title="The bubb
     axes[1].legend(fontsize=7, loc="upper right")
     fig.suptitle(title, fontsize=10)
     return fig
+
+
+def rank_grid(sizes: dict[str, int], title="The rank grid: pp x dp x tp"):
+    """A diagram of `runtime.RankGrid`: one panel per pipeline stage, each a dp x tp table
+    of ranks (tp innermost: a row is one tensor-parallel group of consecutive ranks, a
+    column one data-parallel group; the same cell in every panel is one pipeline). Drawn
+    from the grid's own coordinates, not by hand."""
+    from matplotlib.patches import Rectangle
+
+    from multigpu.runtime import GRID_DIMS, RankGrid
+
+    style()
+    pp, dp, tp = (sizes[d] for d in GRID_DIMS)
+    fig, axes = plt.subplots(1, pp, figsize=(2.2 * pp * max(1, tp / 2) + 0.6, 0.9 * dp + 1.2),
+                             constrained_layout=True, squeeze=False)
+    stage_colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+    for rank in range(pp * dp * tp):
+        grid = RankGrid(sizes, rank)
+        s, d, t = (grid.coord(dim) for dim in GRID_DIMS)
+        ax = axes[0][s]
+        ax.add_patch(Rectangle((t, dp - 1 - d), 0.92, 0.88, color=stage_colors[s % len(stage_colors)], alpha=0.85))
+        ax.text(t + 0.46, dp - 1 - d + 0.44, f"rank {rank}\n(dp {d}, tp {t})", ha="center", va="center",
+                color="white", fontsize=8)
+    for s, ax in enumerate(axes[0]):
+        ax.set_xlim(-0.1, tp + 0.05)
+        ax.set_ylim(-0.1, dp + 0.05)
+        ax.set_xticks([i + 0.46 for i in range(tp)], [f"tp {i}" for i in range(tp)], fontsize=8)
+        ax.set_yticks([dp - 1 - i + 0.44 for i in range(dp)], [f"dp {i}" for i in range(dp)], fontsize=8)
+        ax.grid(False)
+        for side in ("left", "bottom"):
+            ax.spines[side].set_visible(False)
+        ax.set_title(f"pipeline stage {s}", fontsize=9)
+    fig.suptitle(f"{title} = {pp} x {dp} x {tp}\na row is a TP group, a column a DP group, "
+                 "the same cell across the panels a pipeline", fontsize=9)
+    return fig
