@@ -104,10 +104,11 @@ def test_matches_single_device_other_models_and_options(strategy, overrides):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1"])
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "deepspeed-zero2"])
 def test_mixed_precision_fsdp_stays_close_to_single(strategy):
-    """bf16 compute with fp32 reduction (MixedPrecisionPolicy / MixedPrecision) against one
-    process under bf16 autocast: the same arithmetic up to bf16 rounding, so 1e-3, not 1e-5."""
+    """bf16 compute with fp32 reduction (MixedPrecisionPolicy / MixedPrecision / DeepSpeed's
+    torch_autocast with fp32 weights) against one process under bf16 autocast: the same
+    arithmetic up to bf16 rounding, so 1e-3, not 1e-5."""
     result = check(strategy, 2, steps=STEPS, tolerance=1e-3, dtype="bf16-mixed", progress=False)
     assert result["passed"], result
     assert result["reference_loss"][-1] < result["reference_loss"][0]

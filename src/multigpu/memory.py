@@ -29,9 +29,12 @@ def empty_breakdown() -> dict[str, int]:
 
 
 def fold_snapshot(snapshot: dict) -> dict[str, int]:
-    """MemTracker's per-device peak snapshot -> our categories (summed over devices)."""
+    """MemTracker's per-device peak snapshot -> our categories. On a GPU, the GPU's only:
+    the host's peak (batches, a CPU optimizer's scalars, an offloaded optimizer) happens at
+    another moment, and adding the two would make a peak that never was."""
     out = empty_breakdown()
-    for dev_snap in snapshot.values():
+    gpus = [d for d in snapshot if str(getattr(d, "type", d)).startswith("cuda")]
+    for dev_snap in [snapshot[d] for d in gpus] if gpus else snapshot.values():
         for key, nbytes in dev_snap.items():
             name = getattr(key, "value", key)
             if name in _FOLD:

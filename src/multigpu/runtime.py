@@ -114,7 +114,10 @@ def init(device_type: str, timeout_s: float = 300) -> Runtime:
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    # device_id binds NCCL to this GPU now: start-up errors surface here, and barriers know
+    # their device (without it rank 0 warns "using the device under current context")
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device_type == "cuda" else None)
     return Runtime(rank, local_rank, world_size, device, backend)
 
 

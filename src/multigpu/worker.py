@@ -79,7 +79,8 @@ def write_error(out: Path, rank: int, err: BaseException) -> None:
 
 def run_worker(out: Path, body: Callable[[int], None]) -> NoReturn:
     """The frame of every torchrun worker: body(rank); on failure its traceback goes to
-    out/error-rank<R>.txt for the launcher; the process group is always torn down.
+    out/error-rank<R>.txt for the launcher; the process group is torn down after success
+    only (after a failure, os._exit releases it without waiting for the peers).
 
     The worker leaves with os._exit, skipping the interpreter's finalization.
     Gloo's worker threads can still be releasing a finished collective's tensors then
@@ -95,8 +96,8 @@ def run_worker(out: Path, body: Callable[[int], None]) -> NoReturn:
         write_error(out, rank, err)
         traceback.print_exc()
         code = 1
-    finally:
-        runtime.teardown()
+    if code == 0:  # after a failure, peers may still be inside collectives: destroying the
+        runtime.teardown()  # group can then hang under NCCL (torchtitan #1342); os._exit frees all
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

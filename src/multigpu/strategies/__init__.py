@@ -64,7 +64,7 @@ def micro_batch_step(par: Parallelized, micro_batches: list[dict], autocast_dtyp
     autocast_dtype: forward under autocast to this dtype (bf16 mixed precision), or None.
     before_forward(i): called before micro-batch i's forward (the memory tracker's marks)."""
     par.zero_grad()
-    step_loss = 0.0
+    step_loss = None  # summed on the device: one host sync per step, not one per micro-batch
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         device_type = next(iter(batch.values())).device.type
@@ -74,9 +74,9 @@ def micro_batch_step(par: Parallelized, micro_batches: list[dict], autocast_dtyp
             with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=mixed):
                 loss = compute_loss(par.module, batch) / len(micro_batches)
             par.backward(loss)
-        step_loss += loss.item()
+        step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
     par.step()
-    return step_loss
+    return step_loss.item()
 
 
 def optimizer_spec(cfg) -> tuple[type[torch.optim.Optimizer], dict]:

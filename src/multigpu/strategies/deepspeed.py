@@ -39,7 +39,15 @@ def config(cfg, stage: int) -> dict:
             **({"stage3_prefetch_bucket_size": bucket} if stage == 3 else {}),
             **cfg.extra.get("zero_optimization", {}),
         },
-        "bf16": {"enabled": cfg.dtype == "bf16-mixed"},
+        # bf16-mixed as everywhere in the package: fp32 weights, forward under bf16 autocast,
+        # fp32 gradients and reduction. DeepSpeed's "bf16" section would instead cast the
+        # weights to bf16, and its engine switches off an autocast opened outside it on CUDA
+        # but not on a CPU (deepspeed/runtime/torch_autocast.py, autocast_if_enabled): its own
+        # torch_autocast section behaves the same on both; no module's gradients are
+        # communicated in bf16 (lower_precision_safe_modules empty)
+        "bf16": {"enabled": False},
+        **({"torch_autocast": {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}}
+           if cfg.dtype == "bf16-mixed" else {}),
         "zero_allow_untested_optimizer": True,  # a plain torch optimizer, not DeepSpeed's own,
         "zero_force_ds_cpu_optimizer": False,  # even when its state is offloaded to the CPU
         "gradient_clipping": 0.0,
@@ -51,7 +59,8 @@ def config(cfg, stage: int) -> dict:
 def import_deepspeed(device_type: str):
     """Import DeepSpeed for this device; the extension it compiles on first use goes to
     _build/. Ranks take turns, so that two never compile it at once."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device_type == "cpu" else "cuda")
+    # this run's device decides, not a DS_ACCELERATOR left in the shell (e.g. from a CPU run)
+    os.environ["DS_ACCELERATOR"] = "cpu" if device_type == "cpu" else "cuda"
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
     if dist.get_rank() != 0:
         dist.barrier()
