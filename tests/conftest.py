@@ -1,7 +1,10 @@
 """Shared helpers for the test suite.
 
-Everything runs on CPU with the gloo backend; a `launch` of workers takes a few seconds,
-so tests that need a run share it through small caches in their own modules.
+Everything runs on CPU with the gloo backend, also on a machine with GPUs: the tests check
+CPU facts (4 bytes per fp32 parameter, gloo's bytes on the loopback, record counts sized
+for a CPU), so `device="auto"` means the CPU here (`cpu_unless_asked`). Tests of the GPU
+path ask for `device="cuda"` and are skipped without GPUs. A `launch` of workers takes a
+few seconds, so tests that need a run share it through small caches in their own modules.
 """
 
 from __future__ import annotations
@@ -56,3 +59,22 @@ def run_dirs(tmp_path, monkeypatch) -> Path:
 def processes_mentioning():
     """processes_mentioning(text) -> command lines of live processes that contain text."""
     return _processes_mentioning
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_asked(monkeypatch):
+    """device="auto" picks the CPU in every test; device="cuda" still gets the GPUs."""
+    import importlib
+
+    from multigpu import experiments, runtime
+
+    check = importlib.import_module("multigpu.check")  # the module (the package exports its function)
+    choose = runtime.choose_device
+
+    def cpu_for_auto(requested: str, world_size: int):
+        return choose("cpu" if requested == "auto" else requested, world_size)
+
+    for module in (runtime, check):
+        monkeypatch.setattr(module, "choose_device", cpu_for_auto)
+    # the experiments size themselves for the machine: here, for its CPU
+    monkeypatch.setattr(experiments, "on_gpus", lambda count=1: False)
