@@ -57,7 +57,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -67,12 +66,17 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
 
 from multigpu.models import GPT, loss_from_logits
 from multigpu.strategies import Parallelized, build_optimizer, compose
-from multigpu.strategies.pp_split import local_grad, loss_to_all, split_gpt, sync_tied_embedding, tied_embedding_group
-from multigpu.strategies.tp import fused_state_dict
+from multigpu.strategies.pp_split import (
+    gather_state_dict,
+    local_grad,
+    loss_to_all,
+    split_gpt,
+    sync_tied_embedding,
+    tied_embedding_group,
+)
 
 
 @dataclass(frozen=True)
@@ -240,7 +244,6 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
     local = nn.ModuleList(stages)
     optimizer = build_optimizer(local.parameters(), cfg)
     has_first, has_last = stages[0].index == 0, stages[-1].index == num_stages - 1
-    tied = bool(model.cfg.tie_embeddings)  # (the closures below must not keep the whole model alive)
     start_unix = [0.0]
 
     def train_step(par, micro_batches, autocast_dtype=None, before_forward=lambda i: None) -> float:
@@ -262,24 +265,12 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
         step_loss = sum(loss.item() for loss in losses) if has_last else 0.0
         return loss_to_all(step_loss, grid, src=last_rank)
 
-    def gather_state_dict() -> dict[str, torch.Tensor]:
-        """Every stage's weights, whole model, single-device names, on every rank."""
-        mine = {s.index: {k: v.detach().cpu().clone() for k, v in fused_state_dict(
-            {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.piece.state_dict().items()}).items()}
-            for s in stages}
-        parts = [None] * p
-        dist.all_gather_object(parts, mine, group=grid.group("pp"))
-        by_stage = {i: state for part in parts for i, state in part.items()}
-        state = {k: v for i in sorted(by_stage) for k, v in by_stage[i].items()}
-        if tied:  # GPT.state_dict names the tied weight twice
-            state.setdefault("lm_head.weight", state["wte.weight"])
-        return state
-
     # no memory tracker: its module hooks (register_multi_grad_hook) refuse the autograd.grad
     # the library's stages call in backward ("A leaf node was passed to
     # _will_engine_execute_node ..."); memory is recorded as not measured
     return Parallelized(module=local, optimizer=optimizer, model=local, train_step=train_step,
-                        gather_state_dict=gather_state_dict, counts_own_memory=True,
+                        gather_state_dict=lambda: gather_state_dict([s.piece for s in stages], grid),
+                        counts_own_memory=True,
                         report=lambda: {"schedule": name, "schedule_class": schedule.cls.__name__,
                                         "num_stages": num_stages, "microbatches": m,
                                         "stages_on_this_rank": [s.index for s in stages],

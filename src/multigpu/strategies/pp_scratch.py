@@ -280,4 +280,4 @@ def prepare(model, cfg, rt) -> Parallelized:
                 "peak_in_flight": pipe.peak_in_flight, "step_start_unix": pipe.step_start_unix}
 
     return Parallelized(module=model, optimizer=optimizer, model=model, train_step=train_step, report=report,
-                        gather_state_dict=lambda: gather_state_dict(model, grid))
+                        gather_state_dict=lambda: gather_state_dict([model], grid))

@@ -110,15 +110,22 @@ def loss_to_all(loss: float, grid, src: int | None = None) -> float:
     return value.item()
 
 
-def gather_state_dict(model: GPT, grid) -> dict[str, torch.Tensor]:
+def gather_state_dict(pieces: list[GPT], grid) -> dict[str, torch.Tensor]:
     """Every stage's parameters, whole model, on every rank of the pipeline, under the
-    single-device names (a tied weight under both of its names, as GPT.state_dict has)."""
-    mine = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    single-device names (a tied weight under both of its names, as GPT.state_dict has).
+    `pieces`: this rank's stages (one, or two under interleaved and V schedules), whose
+    weights may be DTensors (tensor parallel, FSDP) to be gathered whole first."""
+    from multigpu.strategies.tp import fused_state_dict
+
+    mine = {}
+    for piece in pieces:
+        whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in piece.state_dict().items()}
+        mine.update({k: v.detach().cpu().clone() for k, v in fused_state_dict(whole).items()})
     parts = [None] * grid.size("pp")
     dist.all_gather_object(parts, mine, group=grid.group("pp"))
     state = {}
     for part in parts:
         state.update(part)
-    if is_tied(model) and "wte.weight" in state:
+    if is_tied(pieces[0]) and "wte.weight" in state:
         state.setdefault("lm_head.weight", state["wte.weight"])
     return state
