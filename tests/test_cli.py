@@ -21,9 +21,9 @@ from multigpu.config import RunConfig
 SRC = str(Path(multigpu.__file__).resolve().parents[1])  # the package under test
 
 
-def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 180, **env_vars: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])),
-               MULTIGPU_PROGRESS="0")
+               MULTIGPU_PROGRESS="0", **env_vars)
     return subprocess.run([sys.executable, "-m", "multigpu", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
@@ -92,6 +92,8 @@ BAD_INPUTS = {
     "negative port": (["--port", "-1"], "port must be a whole number from 1 to 65535, got -1"),
     "timeout not positive": (["--timeout", "0"], "timeout must be a positive number of seconds"),
     "learning rate nan": (["--lr", "nan"], "lr must be a finite number"),
+    "bucket beyond any model": (["--strategy", "ddp", "--bucket-cap-mb", "1e308"],
+                                "bucket_cap_mb must be a positive number of MiB up to 1048576"),
     # many nodes: an endpoint is needed, the node rank must be one of the nodes
     "nodes without an endpoint": (["--strategy", "ddp", "--world-size", "4", "--nnodes", "2"],
                                   "2 nodes need a rendezvous endpoint"),
@@ -197,3 +199,13 @@ def test_interrupted_figures_keep_the_finished_runs(tmp_path):
     assert "the runs that finished are kept in" in out
     kept = [json.loads(line) for line in results.read_text().splitlines()]
     assert 1 <= len(kept) < 5 and all(r["experiment"] == "async_staleness" for r in kept)
+
+
+def test_figures_refuses_a_results_folder_that_is_a_file(tmp_path):
+    """MULTIGPU_RESULTS naming a file: one line before any run starts, not a traceback after."""
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("not a folder")
+    out = run_cli("figures", "--experiments", "link_model", MULTIGPU_RESULTS=str(a_file), timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"error: the results folder {a_file} cannot be made: {a_file} is a file; "
+                                  "point MULTIGPU_RESULTS at a folder (or unset it for results/)")

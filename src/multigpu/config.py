@@ -89,6 +89,7 @@ SHARDED = [name for name, stage in ZERO_STAGE.items() if stage > 0]
 ONE_PROCESS = tuple(name for name, s in STRATEGY_TABLE.items() if s.one_process or s.spans == "none")
 
 DTYPES = ("fp32", "bf16-mixed")
+MAX_BUCKET_MB = 2**20
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 DATASETS = ("synthetic", "dummy")
@@ -236,8 +237,10 @@ class RunConfig:
             raise ConfigError(f"lr must be a finite number (e.g. 0.01), got {self.lr!r}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be positive, got {self.lr!r}")
-        if self.bucket_cap_mb <= 0:
-            raise ConfigError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
+        if (not isinstance(self.bucket_cap_mb, (int, float)) or not math.isfinite(self.bucket_cap_mb)
+                or not 0 < self.bucket_cap_mb <= MAX_BUCKET_MB):
+            raise ConfigError(f"bucket_cap_mb must be a positive number of MiB up to {MAX_BUCKET_MB} (1 TiB: one "
+                              f"bucket larger than any model), got {self.bucket_cap_mb!r}; DDP's default is 25")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ConfigError(
                 f"threads_per_worker must be >= 1 or None, got {self.threads_per_worker!r}"

@@ -510,11 +510,27 @@ def run_experiment(name: str, *, progress: bool | None = None) -> list[dict]:
     return done
 
 
+def check_results_dir(path) -> None:
+    """Before the first run: the results folder (MULTIGPU_RESULTS, default results/) must be a
+    folder this process can write, or become one; else say so, not after an hour of runs."""
+    from pathlib import Path
+
+    path = Path(path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"the results folder {path} cannot be made: {existing} is a file; point MULTIGPU_RESULTS "
+                         "at a folder (or unset it for results/)")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"the results folder {path} cannot be written ({existing} is not writable); point "
+                         "MULTIGPU_RESULTS at a folder you can write")
+
+
 def run_experiments(names: list[str] | None = None) -> None:
     names = names or list(EXPERIMENTS)
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
         raise ValueError(f"unknown experiment(s) {', '.join(unknown)}; choose from: {', '.join(EXPERIMENTS)}")
+    check_results_dir(records.RESULTS_DIR)
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if on_gpus() else []
     print(f"multigpu figures: {len(names)} experiment(s) on {records.machine_tag()}: {records.cpu_name()}, "
           f"{os.cpu_count()} cores, {len(gpus)} CUDA GPU(s){' (' + ', '.join(gpus) + ')' if gpus else ''}; "
