@@ -240,10 +240,17 @@ def cmd_figures(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (its usage block runs to twenty)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser (what `main` parses; recipes' commands are checked with it)."""
-    parser = argparse.ArgumentParser(prog="python -m multigpu", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="python -m multigpu", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train with a strategy and print the record")
     _add_run_options(run)
