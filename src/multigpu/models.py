@@ -309,13 +309,17 @@ def tensor_parallel_problems(name: str, tp: int, seq_len: int, sequence_parallel
              ("MLP width", size["d_ff"]), ("vocabulary", size["vocab"])]
     if sequence_parallel:
         needs.append(("sequence length", seq_len))
-    problems = []
-    for what, n in needs:
-        if n and n % tp:
-            fits = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
-            problems.append(f"tp {tp} does not divide the {n} {what}; use a tp that divides {n} "
-                            f"(e.g. {', '.join(map(str, fits[-4:]))})")
-    return list(dict.fromkeys(problems))
+    return list(dict.fromkeys(p for what, n in needs if n for p in split_problems(tp, n, what)))
+
+
+def split_problems(tp: int, count: int, what: str) -> list[str]:
+    """[] if `tp` ranks can split `count` `what` evenly, else the one message every check of
+    tensor parallelism gives (config validation, the library's and the from-scratch split)."""
+    if count % tp == 0:
+        return []
+    fits = [d for d in range(1, count + 1) if count % d == 0 and d <= 64]
+    return [f"tp {tp} does not divide the {count} {what}; use a tp that divides {count} "
+            f"(e.g. {', '.join(map(str, fits[-4:]))})"]
 
 
 def build_model(name: str, seed: int = 0) -> nn.Module:
@@ -390,6 +394,6 @@ def describe(name: str) -> str:
 
 __all__ = [
     "GPT", "GPTConfig", "PRESETS", "build_model", "compute_loss", "parameter_count",
-    "apply_activation_checkpointing", "transformer_block_types", "transformer_blocks", "vocab_size",
+    "apply_activation_checkpointing", "split_problems", "transformer_block_types", "transformer_blocks", "vocab_size",
     "default_seq_len", "describe",
 ]

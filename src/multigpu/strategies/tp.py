@@ -46,17 +46,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from multigpu.models import GPT, CausalSelfAttention
+from multigpu.models import GPT, CausalSelfAttention, split_problems
 from multigpu.strategies import Parallelized, build_optimizer
 
 WRAPPED = "_checkpoint_wrapped_module."  # what activation checkpointing adds to module paths
 
 
 def _require_divides(tp: int, count: int, what: str) -> None:
-    if count % tp:
-        divisors = [d for d in range(1, count + 1) if count % d == 0]
-        raise ValueError(f"tp {tp} does not divide the {count} {what}; use a tp that divides {count} "
-                         f"({', '.join(map(str, divisors))})")
+    for problem in split_problems(tp, count, what):
+        raise ValueError(problem)
 
 
 def concrete_plan(root: nn.Module, patterns: dict[str, object]) -> dict[str, object]:

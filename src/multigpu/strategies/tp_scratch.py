@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from multigpu.models import GPT, GPT_SIZES
+from multigpu.models import GPT, GPT_SIZES, split_problems
 from multigpu.strategies import Parallelized, build_optimizer
 
 SEQ = 1  # the sequence dimension of [batch, seq, hidden]
@@ -279,8 +279,8 @@ def check_divisible(cfg, tp: int) -> None:
     name = next((n for n, c in GPT_SIZES.items() if c == cfg), "this model")
     for count, what in ((cfg.n_head, "attention heads"), (cfg.d_ff, "MLP hidden units"),
                         (cfg.vocab_size, "vocabulary entries")):
-        if count % tp:
-            raise ValueError(f"tp {tp} does not divide the {count} {what} of {name}; use a tp that divides {count}")
+        for problem in split_problems(tp, count, f"{what} of {name}"):
+            raise ValueError(problem)
 
 
 class TensorParallelLM(nn.Module):
