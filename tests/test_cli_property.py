@@ -74,3 +74,32 @@ def test_any_flag_value_starts_or_is_one_clear_error(command, data, monkeypatch)
         lines = stderr.strip().split("\n")  # (splitlines would also split at control characters)
         assert len(lines) == 1 and lines[0].startswith("error: "), (argv, stderr)
         assert len(stderr) < 500 + len(value), (argv, stderr)
+
+
+# estimate and advise answer in-process (fake tensors, formulas): a run is an answer, exit 0
+ANSWER_FLAGS = {
+    "estimate": ["--model", "--strategy", "--world-size", "--tp", "--pp", "--dtype", "--optimizer", "--seq-len",
+                 "--target-len", "--gpu-memory", "--gpu", "--cuda-context", "--batch-size", "--grad-accum-steps",
+                 "--reshard-after-forward"],
+    "advise": ["--model", "--gpus", "--gpu-memory", "--gpu", "--cuda-context", "--nodes", "--interconnect", "--dtype",
+               "--optimizer", "--seq-len", "--machine", "--global-batch"],
+}
+ANSWER_BASE = {"estimate": ["--model", "gpt-tiny", "--world-size", "2", "--seq-len", "32"],
+               "advise": ["--model", "gpt-tiny", "--seq-len", "32", "--gpus", "2", "--gpu-memory", "16GiB",
+                          "--global-batch", "8"]}
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(command=st.sampled_from(sorted(ANSWER_FLAGS)), data=st.data())
+def test_estimate_and_advise_answer_or_give_one_clear_error(command, data, monkeypatch):
+    flag = data.draw(st.sampled_from(ANSWER_FLAGS[command]), label="flag")
+    value = data.draw(VALUES, label="value")
+    argv = [command, *ANSWER_BASE[command], flag, value]
+    assert outcome([command, *ANSWER_BASE[command]], monkeypatch)[0] == "exit 0"  # the base itself answers
+    result, stderr = outcome(argv, monkeypatch)
+    assert "Traceback" not in stderr, (argv, stderr)
+    assert result in ("exit 0", "exit 2"), (argv, result, stderr)
+    if result == "exit 2":
+        lines = stderr.strip().split("\n")
+        assert len(lines) == 1 and lines[0].startswith("error: "), (argv, stderr)

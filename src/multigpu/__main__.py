@@ -14,6 +14,8 @@ import os
 import sys
 
 from multigpu.config import OPTIMIZERS, STRATEGIES, ConfigError, RunConfig
+from multigpu.estimate import ESTIMATED
+from multigpu.hardware import MACHINES
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -135,10 +137,6 @@ def cmd_estimate(args) -> int:
     from multigpu.estimate import Setup, estimate, largest_batch
 
     start = time.perf_counter()
-    if args.tp != 1 or args.pp != 1:
-        raise ConfigError(f"the estimator models data-parallel and sharded strategies on a data-parallel grid; "
-                          f"tensor and pipeline parallelism (--tp {args.tp} --pp {args.pp}) are not modelled yet: "
-                          "measure them with `python -m multigpu run --strategy tp|pp-... --json`")
     memory, context = _device_memory(args)
     if args.max_batch and memory is None:
         raise ConfigError("--max-batch needs the memory of one device: --gpu-memory 32GiB or --gpu a100-80gb")
@@ -148,7 +146,8 @@ def cmd_estimate(args) -> int:
                   target_len=args.target_len, dtype=args.dtype, optimizer=args.optimizer,
                   activation_checkpointing=args.activation_checkpointing, grad_accum_steps=args.grad_accum_steps,
                   reshard_after_forward=args.reshard_after_forward == "true",
-                  offload_optimizer=args.offload_optimizer, cuda_context_bytes=context)
+                  offload_optimizer=args.offload_optimizer, cuda_context_bytes=context,
+                  tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel)
     if args.max_batch:
         found = largest_batch(setup, memory)
         result = found or estimate(setup, setup.world_size * setup.grad_accum_steps)
@@ -166,6 +165,9 @@ def cmd_estimate(args) -> int:
     target = f", target {setup.target_len}" if setup.target_len else ""
     print(f"{setup.model} with {setup.strategy} on {setup.world_size} rank(s), {setup.dtype}, {setup.optimizer}, "
           f"sequence {setup.seq_len}{target}" + (f", {_gib(memory)} per device" if memory else ""))
+    d = result.as_dict()["degrees"]
+    print(f"  grid: dp {d['dp']} x pp {d['pp']} x tp {d['tp']}"
+          + (f"; the peak is pipeline rank {result.pipeline_rank}'s" if result.pipeline_rank is not None else ""))
     if args.max_batch:
         print(f"  largest global batch that fits: {max_batch}"
               + (f" ({result.per_rank_batch} per rank per micro-batch)" if max_batch else " (not even one sample)"))
@@ -185,24 +187,32 @@ def cmd_estimate(args) -> int:
 
 def cmd_advise(args) -> int:
     from multigpu.advise import advise
-    from multigpu.estimate import Setup
+    from multigpu.estimate import Setup, parse_bytes
+    from multigpu.hardware import describe
 
-    memory, context = _device_memory(args)
-    if memory is None:
-        raise ConfigError("give the memory of one GPU: --gpu-memory 32GiB or --gpu a100-80gb")
+    memory, context = _device_memory(args, smallest=SMALLEST_GPU)
+    if args.machine is None and memory is None:
+        raise ConfigError("give the memory of one GPU (--gpu-memory 32GiB or --gpu a100-80gb), or a --machine")
+    if args.machine and args.cuda_context is None:
+        context = parse_bytes("500MiB")
     base = Setup(model=args.model, seq_len=args.seq_len, target_len=args.target_len, dtype=args.dtype,
                  optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
                  cuda_context_bytes=context)
-    advice = advise(base, args.gpus, memory, nodes=args.nodes, interconnect=args.interconnect)
+    advice = advise(base, args.gpus, memory, nodes=args.nodes, interconnect=args.interconnect,
+                    machine=args.machine, global_batch=args.global_batch, overlap=not args.no_overlap)
     if args.json:
         print(json.dumps(advice.as_dict()))
         return 0
-    print(f"recommended: {advice.strategy}")
-    if advice.max_global_batch:
-        print(f"  largest global batch {advice.max_global_batch}, {_gib(advice.per_gpu_bytes)} per GPU at it")
+    print(f"recommended: {advice.plan.label if advice.plan else advice.strategy}")
+    if advice.plan:
+        print(f"  run it: {advice.plan.command}")
     for reason in advice.reasons:
         print(f"  - {reason}")
-    print("  largest global batch by strategy: " + ", ".join(f"{k} {v}" for k, v in advice.compared.items()))
+    print("  the fastest plan of each family (estimates):")
+    for row in advice.by_family():
+        print(f"    {row['family']:<9} {row['plan']:<40} {row['GiB per GPU']:6.1f} GiB  "
+              + (f"{row['s per step']:.3g} s per step" if row["fits"] else "does not fit"))
+    print("  machine: " + "; ".join(describe(advice.machine)))
     return 0
 
 
@@ -210,9 +220,10 @@ CUDA_CONTEXT_HELP = ("memory the CUDA context takes on each GPU, counted in 'oth
                      "--gpu, 0 with --gpu-memory")
 
 
-def _device_memory(args) -> tuple[int | None, int]:
+def _device_memory(args, smallest: int = 2**20) -> tuple[int | None, int]:
     """(memory of one device, CUDA context assumed in it) from --gpu-memory or --gpu, and
-    --cuda-context: by default 500 MiB for a named GPU, nothing for a bare amount."""
+    --cuda-context: by default 500 MiB for a named GPU, nothing for a bare amount. A device
+    of at most `smallest` bytes, or no more than its context, is an input error."""
     from multigpu.estimate import GPUS, parse_bytes
 
     if args.gpu is not None and args.gpu not in GPUS:
@@ -222,7 +233,18 @@ def _device_memory(args) -> tuple[int | None, int]:
         context = parse_bytes(args.cuda_context, allow_zero=True)
     else:
         context = parse_bytes("500MiB") if args.gpu is not None else 0
+    if memory is not None and memory <= max(context, smallest):
+        size = f"{memory:,} bytes" if memory < 2**20 else _mib(memory)
+        raise ConfigError(f"a device of {size} cannot train anything: it must hold more than "
+                          + (f"its CUDA context ({_mib(context)}, --cuda-context)" if context >= smallest else
+                             f"{_mib(smallest)}") + "; give the memory of one device, e.g. --gpu-memory 32GiB "
+                          "or --gpu a100-80gb")
     return memory, context
+
+
+# a CUDA context alone takes a few hundred MiB of every GPU (PyTorch's notes on CUDA
+# semantics): advice for GPUs smaller than this has nothing to advise
+SMALLEST_GPU = 256 * 2**20
 
 
 def _gib(nbytes: float) -> str:
@@ -271,10 +293,15 @@ def build_parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="memory per rank, and the largest batch, before running anything")
     est.add_argument("--model", required=True, help="a preset (t5-large, gpt2, ...), a Hugging Face config.json "
                      "(t5 or gpt2), or params:<count> for model states only")
-    est.add_argument("--strategy", default="ddp", help="single, dp, ddp, zero1, zero2, zero3 or fsdp")
+    est.add_argument("--strategy", default="ddp", help=", ".join(ESTIMATED))
     est.add_argument("--world-size", type=int, default=1, help="GPUs (ranks)")
-    est.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (not modelled yet: must be 1)")
-    est.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (not modelled yet: must be 1)")
+    est.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: with --strategy fsdp (2D), tp "
+                     "(default: all ranks) or a pipeline; the package's GPT only")
+    est.add_argument("--pp", type=int, default=1, help="pipeline ranks, with --strategy pp-gpipe, pp-1f1b or "
+                     "pp-interleaved (default: world size / tp; the rest is FSDP inside each stage); "
+                     "--grad-accum-steps is its micro-batches")
+    est.add_argument("--sequence-parallel", action="store_true",
+                     help="with tp: cut the residual stream and LayerNorms along the sequence")
     est.add_argument("--dtype", default="fp32", help="fp32; bf16-mixed (autocast, fp32 weights, as this package "
                      "trains); bf16-master (bf16 weights and an fp32 master copy, as the ZeRO paper and DeepSpeed)")
     est.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
@@ -294,12 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     adv = sub.add_parser("advise", help="recommend a strategy, with the estimator's numbers as reasons")
     adv.add_argument("--model", required=True, help="a preset or a Hugging Face config.json (t5 or gpt2)")
-    adv.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    adv.add_argument("--gpus", type=int, default=None, help="GPUs in all (or --machine)")
+    adv.add_argument("--machine", default=None, choices=list(MACHINES), help="a named machine: its GPUs, memory, "
+                     "FLOP/s and links, each with its source (instead of --gpus/--gpu-memory/--nodes/--interconnect)")
+    adv.add_argument("--global-batch", type=int, default=None,
+                     help="samples per step (default: about half a million tokens, a multiple of the GPUs)")
+    adv.add_argument("--no-overlap", action="store_true",
+                     help="time the steps as if no collective hid behind compute (the other bound)")
     adv.add_argument("--gpu-memory", default=None, help="memory of one GPU, e.g. 32GiB")
     adv.add_argument("--gpu", default=None, help="a named GPU for its memory, e.g. a100-80gb")
     adv.add_argument("--cuda-context", default=None, help=CUDA_CONTEXT_HELP)
     adv.add_argument("--nodes", type=int, default=1)
-    adv.add_argument("--interconnect", default="fast", help="between nodes: fast (InfiniBand class) or slow")
+    adv.add_argument("--interconnect", default="fast", help="between nodes, without --machine: fast (8 x 400 Gb/s "
+                     "InfiniBand per node) or slow (one 100 Gb/s Ethernet port); H100-class GPUs and NVLink assumed")
     adv.add_argument("--dtype", default="fp32", help="fp32, bf16-mixed or bf16-master")
     adv.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
     adv.add_argument("--seq-len", type=int, default=256)

@@ -1,125 +1,345 @@
-"""Which strategy, from the estimator's numbers: the sources' decision guide as code.
+"""Which strategy: the sources' decision guide, then the numbers.
 
-The guide (Hugging Face's "efficient training on many GPUs", after the ZeRO and Megatron
-papers):
-1. The model fits on one GPU: data parallelism (DDP). ZeRO can buy a larger batch.
-2. It does not fit: shard it (ZeRO-3 / FSDP), or cut it (pipeline, tensor parallelism).
-3. Its largest layer does not fit on one GPU: only tensor parallelism cuts inside a layer.
-4. Several nodes over slow links: keep the heavy traffic inside a node (tensor parallelism),
-   pipeline across nodes, and shard only the optimizer state (DP + PP + TP + ZeRO-1).
+1. The guide (`GUIDE`, quoted from Hugging Face's "Efficient Training on Multiple GPUs",
+   section "Which Strategy To Use When", after the ZeRO and Megatron papers) names, for each
+   case, strategies in order, "the first on the list typically faster".
+2. `plans` lists every way the package can run the model on the machine: the data-parallel
+   family (ddp, zero1, zero2, fsdp), and for the package's GPT tensor parallelism (tp alone,
+   fsdp with tp: 2D) within a node, and pipelines (pp-1f1b, pp-interleaved) with tensor- and
+   data-parallel ranks inside each stage (PP x TP, PP x FSDP, 3D). For each grid, every
+   split of the global batch into micro-batches is tried; a plan fits if the estimator's
+   peak per GPU (`multigpu.estimate`, the most loaded pipeline rank) is within the GPU's
+   memory, and is timed by the step model of `multigpu.hardware`.
+3. `advise` recommends the fastest plan that fits, says which case of the guide applies and
+   what the guide recommends there, and whether the numbers agree.
 
-Every number in the answer is the estimator's (`multigpu.estimate`).
+Every number in the advice is the estimator's or the step model's: estimates, not
+measurements.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from multigpu.config import ConfigError
-from multigpu.estimate import Setup, estimate, largest_batch, model_shape
+from multigpu.estimate import PIPELINES, Estimate, Setup, degrees, estimate, gpt_parts, model_shape
+from multigpu.hardware import MACHINES, Machine, StepTime, describe, generic_machine, step_time
 
-INTERCONNECTS = ("fast", "slow")  # fast: NVLink / InfiniBand class; slow: Ethernet class between nodes
+# case -> (the guide's words for it, the families it names, first typically faster)
+GUIDE = {
+    "fits on one GPU": (
+        "Model fits onto a single GPU: 1. DDP - Distributed DP; 2. ZeRO - may or may not be faster depending on "
+        "the situation and configuration used", ("DDP", "ZeRO")),
+    "does not fit on one GPU": (
+        "Model doesn't fit onto a single GPU: 1. PP; 2. ZeRO; 3. TP. With very fast intra-node connectivity of "
+        "NVLINK or NVSwitch all three should be mostly on par, without these PP will be faster than TP or ZeRO. "
+        "[...] TP is almost always used within a single node", ("PP", "ZeRO", "TP")),
+    "largest layer does not fit on one GPU": (
+        "Largest Layer not fitting into a single GPU: 1. If not using ZeRO - must use TP, as PP alone won't be "
+        "able to fit. 2. With ZeRO see the same entry for \"Single GPU\" above", ("TP", "ZeRO")),
+    "several nodes, fast links": (
+        "Multi-Node / Multi-GPU, when you have fast inter-node connectivity: 1. ZeRO - as it requires close to no "
+        "modifications to the model; 2. PP+TP+DP - less communications, but requires massive changes to the model",
+        ("ZeRO", "PP+TP+DP")),
+    "several nodes, slow links": (
+        "Multi-Node / Multi-GPU, when you have slow inter-node connectivity and still low on GPU memory: "
+        "DP+PP+TP+ZeRO-1", ("PP+TP+DP",)),
+}
+GUIDE_SOURCE = "Hugging Face, Efficient Training on Multiple GPUs, \"Which Strategy To Use When\""
+# the guide's names, as sets of plans: its "PP" is any pipeline, its "TP" tensor parallelism with
+# or without ZeRO across the replicas
+GUIDE_NAMES = {"DDP": ("DDP",), "ZeRO": ("ZeRO",), "TP": ("TP", "ZeRO+TP"),
+               "PP": ("PP", "PP+DP", "PP+TP", "PP+TP+DP"), "PP+TP+DP": ("PP+TP+DP",)}
+
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")  # fsdp is the package's production ZeRO-3
+# what a plan changes in the model and sends, least first: the order among plans equally fast
+SIMPLEST_FIRST = ("DDP", "ZeRO", "TP", "ZeRO+TP", "PP", "PP+DP", "PP+TP", "PP+TP+DP")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run a step: a strategy on a grid, a split into micro-batches, its peak
+    memory per GPU and its time per step (both estimates)."""
+
+    setup: Setup
+    global_batch: int
+    memory: Estimate
+    time: StepTime
+    memory_bytes: int  # what one GPU has
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.per_rank_bytes["total"] <= self.memory_bytes
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return degrees(self.setup)
+
+    @property
+    def family(self) -> str:
+        """The guide's name for it: DDP, ZeRO, TP, PP and their combinations."""
+        d, s = self.degrees, self.setup.strategy
+        if s in PIPELINES:
+            return "PP" + ("+TP" if d["tp"] > 1 else "") + ("+DP" if d["dp"] > 1 else "")
+        if d["tp"] > 1:
+            return "ZeRO+TP" if d["dp"] > 1 else "TP"
+        return "DDP" if s == "ddp" else "ZeRO"
+
+    @property
+    def label(self) -> str:
+        """The strategy as the package names it, with its degrees: `pp-1f1b --tp 8 --dp 2`."""
+        d, s = self.degrees, self.setup.strategy
+        if s in PIPELINES:
+            return s + "".join(f" --{k} {d[k]}" for k in ("pp", "tp", "dp") if d[k] > 1)
+        return s + (f" --tp {d['tp']}" if d["tp"] > 1 and s != "tp" else "")
+
+    @property
+    def command(self) -> str:
+        """The run that trains this plan (on a machine that has the GPUs)."""
+        m = self.setup.grad_accum_steps
+        return (f"python -m multigpu run --strategy {self.label} --world-size {self.setup.world_size} "
+                f"--model {self.setup.model} --seq-len {self.setup.seq_len} --dtype {self.setup.dtype} "
+                f"--optimizer {self.setup.optimizer} --global-batch-size {self.global_batch}"
+                + (f" --grad-accum-steps {m}" if m > 1 else ""))
+
+    def summary(self) -> str:
+        t, gib = self.time, self.memory.per_rank_bytes["total"] / 2**30
+        parts = [f"compute {t.compute_s:.3g}"]
+        parts += [f"{k.upper()} collectives {v:.3g} not hidden" for k, v in t.exposed_s.items() if v > 0]
+        if t.bubble_s:
+            parts.append(f"bubble {t.bubble_s:.3g}")
+        m = self.setup.grad_accum_steps
+        return (f"{self.label}: {gib:.1f} GiB per GPU, {t.total_s:.3g} s per step ({', '.join(parts)}), "
+                f"{m} micro-batch{'es' if m > 1 else ''} of {self.memory.per_rank_batch}")
+
+    def as_dict(self) -> dict:
+        return {"strategy": self.setup.strategy, "label": self.label, "family": self.family, **self.degrees,
+                "micro_batches": self.setup.grad_accum_steps, "micro_batch_size": self.memory.per_rank_batch,
+                "per_gpu_bytes": self.memory.per_rank_bytes["total"], "fits": self.fits,
+                "step": self.time.as_dict(), "command": self.command}
 
 
 @dataclass
 class Advice:
-    strategy: str
+    strategy: str  # the recommended plan's strategy, or "does not fit"
+    plan: Plan | None
+    case: str  # the guide's case that applies
     reasons: list[str]
-    per_gpu_bytes: int | None = None  # at the largest batch, or the model states alone
-    max_global_batch: int | None = None
-    compared: dict = field(default_factory=dict)  # strategy -> largest global batch (0: does not fit)
+    agrees: bool | None  # whether the numbers put the guide's first choice first
+    plans: list[Plan] = field(default_factory=list)  # the best plan of every grid that fits, fastest first
+    too_big: list[Plan] = field(default_factory=list)  # the grids that fit no split, least memory first
+    machine: Machine | None = None
+    global_batch: int = 0
+
+    @property
+    def per_gpu_bytes(self) -> int | None:
+        return self.plan.memory.per_rank_bytes["total"] if self.plan else None
+
+    @property
+    def compared(self) -> dict[str, float]:
+        """plan -> seconds per step, every grid that fits."""
+        return {p.label: p.time.total_s for p in self.plans}
+
+    max_global_batch = None  # the advice is for a given global batch (kept for the command line)
+
+    def best_of(self, name: str) -> Plan | None:
+        """The fastest plan that fits of a family (DDP, ZeRO, TP, ZeRO+TP, PP, PP+DP, PP+TP,
+        PP+TP+DP) or of one of the guide's names (`GUIDE_NAMES`)."""
+        return next((p for p in self.plans if p.family in GUIDE_NAMES.get(name, (name,))), None)
+
+    def by_family(self) -> list[dict]:
+        """One row per family (DDP, ZeRO, TP, ZeRO+TP, PP, PP+DP, PP+TP, PP+TP+DP): its fastest
+        plan that fits, or else the one closest to fitting; fastest first."""
+        rows = []
+        for family in SIMPLEST_FIRST:
+            plan = next((p for p in self.plans + self.too_big if p.family == family), None)
+            if plan is None:
+                continue
+            t = plan.time
+            rows.append({"family": family, "plan": plan.label, "micro-batches": plan.setup.grad_accum_steps,
+                         "GiB per GPU": plan.memory.per_rank_bytes["total"] / 2**30, "fits": plan.fits,
+                         "s per step": t.total_s, "compute (s)": t.compute_s,
+                         "collectives not hidden (s)": sum(t.exposed_s.values()), "bubble (s)": t.bubble_s,
+                         "vs the fastest": t.total_s / self.plan.time.total_s - 1 if self.plan and plan.fits else None})
+        return sorted(rows, key=lambda r: (not r["fits"], r["s per step"]))
 
     def as_dict(self) -> dict:
-        return {"strategy": self.strategy, "reasons": self.reasons, "per_gpu_bytes": self.per_gpu_bytes,
-                "max_global_batch": self.max_global_batch, "compared": self.compared}
+        return {"strategy": self.strategy, "plan": self.plan.as_dict() if self.plan else None, "case": self.case,
+                "guide": GUIDE[self.case][0], "agrees_with_guide": self.agrees, "reasons": self.reasons,
+                "global_batch": self.global_batch, "machine": describe(self.machine),
+                "plans": [p.as_dict() for p in self.plans],
+                "too_big": [{"label": p.label, "per_gpu_bytes": p.memory.per_rank_bytes["total"]}
+                            for p in self.too_big]}
 
 
-def advise(base: Setup, gpus: int, memory_bytes: int, nodes: int = 1, interconnect: str = "fast") -> Advice:
-    """Recommend a strategy for `base.model` (its dtype, optimizer, lengths) on `gpus` GPUs
-    of `memory_bytes` each, spread over `nodes` nodes."""
-    if gpus < 1 or nodes < 1 or gpus % nodes:
-        raise ConfigError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
-    if interconnect not in INTERCONNECTS:
-        raise ConfigError(f"--interconnect must be one of {', '.join(INTERCONNECTS)}, got {interconnect!r}")
-    size, name = _size(memory_bytes), Path(base.model).stem  # a config file by its name, not its path
-
-    def best(strategy: str, n: int):
-        return largest_batch(replace(base, strategy=strategy, world_size=n), memory_bytes)
-
-    one = best("single", 1)
-    shape = model_shape(base.model)
-    compared = {"single": one.global_batch if one else 0}
-    for s in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
-        if gpus > 1:
-            found = best(s, gpus)
-            compared[s] = found.global_batch if found else 0
-    if one is not None:
-        ddp = best("ddp", gpus) if gpus > 1 else one
-        reasons = [f"{name} trains on one {size} GPU: up to {one.global_batch} samples per step "
-                   f"({_size(one.per_rank_bytes['total'])} at that batch)."]
-        if gpus == 1:
-            return Advice("single", reasons, one.per_rank_bytes["total"], one.global_batch, compared)
-        if ddp is None:  # DDP's buckets hold a second copy of the gradients
-            return _without_ddp(base, gpus, best, reasons, compared)
-        reasons.append(f"Data parallelism (DDP) on {gpus} GPUs keeps a whole copy on each and runs "
-                       f"{ddp.global_batch} samples per step, with one all-reduce of the gradients per step.")
-        zero2 = compared.get("zero2", 0)
-        if zero2 > ddp.global_batch:
-            reasons.append(f"For a larger batch, ZeRO-2 shards the optimizer state and gradients: "
-                           f"{zero2} samples per step for the same bytes sent.")
-        if nodes > 1 and interconnect == "slow":
-            reasons.append("Across slow links between nodes, DDP's all-reduce of every gradient is the cost "
-                           "to watch: accumulate gradients over several micro-batches to send less often.")
-        return Advice("ddp", reasons, ddp.per_rank_bytes["total"], ddp.global_batch, compared)
-    # ZeRO-3 gathers a block whole, and makes its whole gradient before reduce-scattering it
-    layer = Setup(f"params:{shape.largest_block}", "single", 1, optimizer="sgd", dtype=base.dtype)
-    layer_bytes = estimate(layer).per_rank_bytes["total"]
-    alone = replace(base, strategy="single", world_size=1)
-    reasons = [f"{name} does not train on one {size} GPU: one sample needs "
-               f"{_size(estimate(alone, 1).per_rank_bytes['total'])}, of which the model states are "
-               f"{_size(estimate(alone).per_rank_bytes['total'])}."]
-    if layer_bytes > memory_bytes:
-        reasons.append(f"Its largest block's weights and gradients ({_size(layer_bytes)}) do not fit on one GPU "
-                       "either: only tensor parallelism splits a layer (no chapter of this book runs it yet).")
-        return Advice("tp", reasons, None, None, compared)
-    if nodes > 1 and interconnect == "slow":
-        reasons.append("Between nodes over slow links, keep the heavy traffic inside a node: tensor parallelism "
-                       "within a node, pipeline stages across nodes, and ZeRO-1 for the optimizer state "
-                       "(DP + PP + TP + ZeRO-1); this book does not run that combination yet.")
-        return Advice("dp+pp+tp+zero1", reasons, None, None, compared)
-    sharded = best("fsdp", gpus) if gpus > 1 else None
-    if sharded is None:
-        reasons.append(f"Sharding everything over {gpus} GPU(s) (ZeRO-3 / FSDP) is not enough either: "
-                       "add GPUs, offload the optimizer state, or checkpoint activations.")
-        return Advice("more GPUs", reasons, None, None, compared)
-    reasons.append(f"Sharded over {gpus} GPUs (FSDP / ZeRO-3: parameters, gradients and optimizer state), "
-                   f"it runs {sharded.global_batch} samples per step, {_size(sharded.per_rank_bytes['total'])} "
-                   "per GPU, and sends 3 Psi bytes per step against DDP's 2 Psi (the parameters are gathered "
-                   "twice).")
-    if interconnect == "slow" or nodes > 1:
-        reasons.append("Pipeline parallelism sends less than ZeRO-3 when the links are slow.")
-    return Advice("fsdp", reasons, sharded.per_rank_bytes["total"], sharded.global_batch, compared)
+def default_global_batch(seq_len: int, gpus: int) -> int:
+    """About half a million tokens per step (GPT-3's batch for its smallest models, Brown et al.
+    2020, Table 2.1), in whole samples, a multiple of the GPUs."""
+    samples = math.ceil(2**19 / seq_len)
+    return math.ceil(samples / gpus) * gpus
 
 
-def _without_ddp(base: Setup, gpus: int, best, reasons: list[str], compared: dict) -> Advice:
-    """The model trains on one GPU, but not with DDP beside it: DDP's buckets hold a second
-    copy of the gradients. Sharding the optimizer state and gradients (ZeRO-2, ZeRO-1) costs
-    no more bytes sent; sharding the parameters too (FSDP) does."""
-    reasons.append(f"DDP does not fit: its buckets hold a second copy of the gradients "
-                   f"({_size(estimate(replace(base, strategy='single', world_size=1)).per_rank_bytes['grads'])}).")
-    for strategy, why in (("zero2", "ZeRO-2 shards the optimizer state and gradients"),
-                          ("zero1", "ZeRO-1 shards the optimizer state"),
-                          ("fsdp", "FSDP shards the parameters, gradients and optimizer state, and sends 3 Psi "
-                                   "bytes per step against DDP's 2 Psi")):
-        if compared.get(strategy):
-            found = best(strategy, gpus)
-            reasons.append(f"{why}: {found.global_batch} samples per step on {gpus} GPUs, "
-                           f"{_size(found.per_rank_bytes['total'])} per GPU.")
-            return Advice(strategy, reasons, found.per_rank_bytes["total"], found.global_batch, compared)
-    reasons.append("No data-parallel strategy fits beside the model on these GPUs: add GPUs or memory.")
-    return Advice("more GPUs", reasons, None, None, compared)
+def advise(base: Setup, gpus: int | None = None, memory_bytes: int | None = None, nodes: int = 1,
+           interconnect: str = "fast", machine: Machine | str | None = None,
+           global_batch: int | None = None, overlap: bool = True) -> Advice:
+    """Recommend how to train `base.model` (its dtype, optimizer, lengths, checkpointing) on
+    `machine` (a `hardware.MACHINES` name or a Machine), or on `gpus` GPUs of `memory_bytes`
+    in `nodes` nodes whose links between nodes are `interconnect` ("fast" or "slow"), with
+    `global_batch` samples per step (default `default_global_batch`). `memory_bytes` with a
+    machine: use that much of each GPU. overlap=False: time the steps as if no collective hid
+    behind compute (`hardware.step_time`)."""
+    machine = _machine(machine, gpus, memory_bytes, nodes, interconnect)
+    memory = memory_bytes or machine.gpu.memory_bytes
+    if memory <= 0:
+        raise ConfigError(f"the memory of one GPU of {machine.name} is not known: give it (e.g. 16GiB)")
+    global_batch = global_batch or default_global_batch(base.seq_len, machine.gpus)
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"the global batch must be a whole number of samples, at least 1; got {global_batch!r}")
+    found = plans(base, machine, memory, global_batch, overlap)
+    if not found:
+        raise ConfigError(f"a global batch of {global_batch} does not split over the data-parallel ranks of any "
+                          f"plan on {machine.gpus} GPUs; use a multiple of {machine.gpus}")
+    fitting = sorted((p for p in found if p.fits), key=_speed)
+    too_big = sorted((p for p in found if not p.fits), key=lambda p: p.memory.per_rank_bytes["total"])
+    case, why = _case(base, machine, memory)
+    name = Path(base.model).stem  # a config file by its name, not its path
+    named = GUIDE[case][1]
+    reasons = [f"The case: {why}. The guide says: \"{GUIDE[case][0]}\" ({GUIDE_SOURCE})."]
+    if not fitting:
+        smallest = too_big[0] if too_big else None
+        reasons.append(f"No plan fits {name} into {memory / 2**30:.0f} GiB per GPU with {global_batch} samples "
+                       f"per step" + (f"; the smallest, {smallest.label}, needs "
+                                      f"{smallest.memory.per_rank_bytes['total'] / 2**30:.1f} GiB" if smallest else "")
+                       + ". Checkpoint activations, use more GPUs, or GPUs with more memory.")
+        return Advice("does not fit", None, case, reasons, None, [], too_big, machine, global_batch)
+    best = fitting[0]
+    reasons.append(f"Fastest estimated plan for {global_batch} samples of {base.seq_len} tokens per step: "
+                   f"{best.summary()}.")
+    agrees = best.family in GUIDE_NAMES[named[0]]
+    reasons.append(f"The numbers {'agree with' if agrees else 'disagree with'} the guide's first choice, "
+                   f"{named[0]}" + ("." if agrees else f": the fastest plan is {best.family}."))
+    for name in named:  # the guide's choices for the case, each by its fastest plan
+        other = next((p for p in fitting if p.family in GUIDE_NAMES[name]), None)
+        if other is None:
+            closest = next((p for p in too_big if p.family in GUIDE_NAMES[name]), None)
+            reasons.append(f"{name}: nothing fits" + (f" (the closest, {closest.label}, needs "
+                                                      f"{closest.memory.per_rank_bytes['total'] / 2**30:.1f} GiB)"
+                                                      if closest else " (no such plan for this model)") + ".")
+        elif other is not best:
+            reasons.append(f"{name}: {other.summary()}, {other.time.total_s / best.time.total_s - 1:.0%} slower.")
+    return Advice(best.setup.strategy, best, case, reasons, agrees, fitting, too_big, machine, global_batch)
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+def _speed(plan: Plan) -> tuple:
+    """Fastest first; among equally fast plans the one that changes and sends least."""
+    return plan.time.total_s, SIMPLEST_FIRST.index(plan.family), plan.setup.grad_accum_steps
+
+
+def _machine(machine, gpus, memory_bytes, nodes, interconnect) -> Machine:
+    if isinstance(machine, str):
+        if machine not in MACHINES:
+            raise ConfigError(f"unknown machine {machine!r}; choose one of: {', '.join(MACHINES)}")
+        machine = MACHINES[machine]
+    if machine is not None:
+        if gpus not in (None, machine.gpus):
+            raise ConfigError(f"{machine.name} has {machine.gpus} GPUs, not {gpus}: give one or the other")
+        return machine
+    if gpus is None or memory_bytes is None:
+        raise ConfigError("give a machine (e.g. 8xh100-nvlink), or the GPUs and the memory of one GPU")
+    if interconnect not in ("fast", "slow"):
+        raise ConfigError(f"--interconnect must be fast or slow, got {interconnect!r}")
+    return generic_machine(gpus, nodes, memory_bytes, interconnect == "fast")
+
+
+def _case(base: Setup, machine: Machine, memory: int) -> tuple[str, str]:
+    """The guide's case for this model on this machine, and the numbers that decide it."""
+    name, gib = Path(base.model).stem, memory / 2**30
+    one = estimate(replace(base, strategy="single", world_size=1, tp=1, pp=1, grad_accum_steps=1), 1)
+    states = estimate(replace(base, strategy="single", world_size=1, tp=1, pp=1, grad_accum_steps=1))
+    fits = one.per_rank_bytes["total"] <= memory
+    need = (f"one sample needs {one.per_rank_bytes['total'] / 2**30:.1f} GiB on one GPU, of which the model states "
+            f"are {states.per_rank_bytes['total'] / 2**30:.1f} GiB")
+    if machine.nodes > 1:
+        speed = "fast" if machine.fast_between_nodes else "slow"
+        return f"several nodes, {speed} links", (f"{machine.nodes} nodes joined by {machine.inter.name} ({speed}); "
+                                                  f"{name} {'fits' if fits else 'does not fit'} on one {gib:.0f} GiB "
+                                                  f"GPU ({need})")
+    if fits:
+        return "fits on one GPU", f"{name} fits on one {gib:.0f} GiB GPU ({need})"
+    block = model_shape(base.model).largest_block
+    block_states = estimate(replace(base, model=f"params:{block}", strategy="single", world_size=1, tp=1, pp=1,
+                                    grad_accum_steps=1)).per_rank_bytes["total"]
+    if block and block_states > memory:
+        return "largest layer does not fit on one GPU", (
+            f"{name} does not fit on one {gib:.0f} GiB GPU ({need}), and neither do the model states of its largest "
+            f"block, {block_states / 2**30:.1f} GiB: a block is the smallest piece a pipeline stage holds (and "
+            "FSDP's unit here)")
+    return "does not fit on one GPU", f"{name} does not fit on one {gib:.0f} GiB GPU ({need})"
+
+
+def plans(base: Setup, machine: Machine, memory: int, global_batch: int, overlap: bool = True) -> list[Plan]:
+    """For every grid the package can run `base.model` on with this machine's GPUs, the
+    fastest split of `global_batch` into micro-batches that fits (or, if none fits, the one
+    that needs the least memory)."""
+    found = []
+    for setup in grids(base, machine):
+        dp = degrees(setup)["dp"]
+        if global_batch % dp:
+            continue  # the batch does not split over the data-parallel ranks
+        tried = []
+        for m in _divisors(global_batch // dp):
+            candidate = replace(setup, grad_accum_steps=m)
+            if _microbatch_problem(candidate):
+                continue
+            tried.append(Plan(candidate, global_batch, estimate(candidate, global_batch),
+                              step_time(candidate, global_batch, machine, overlap), memory))
+            if tried[-1].fits and setup.strategy not in PIPELINES:
+                break  # without a bubble to shrink, more micro-batches only add collectives
+        if tried:
+            fitting = [p for p in tried if p.fits]
+            found.append(min(fitting, key=_speed) if fitting else
+                         min(tried, key=lambda p: p.memory.per_rank_bytes["total"]))
+    return found
+
+
+def grids(base: Setup, machine: Machine) -> list[Setup]:
+    """Every strategy and grid to compare on `machine`: tensor parallelism only within a node
+    and only at degrees that split the heads, the MLP and the vocabulary; pipelines only at
+    degrees that divide the blocks."""
+    from multigpu.models import family, tensor_parallel_problems
+
+    n, per_node = machine.gpus, machine.gpus_per_node
+    plain = replace(base, world_size=n, tp=1, pp=1, grad_accum_steps=1)
+    if n == 1:
+        return [replace(plain, strategy="single")]
+    out = [replace(plain, strategy=s) for s in DATA_PARALLEL]
+    if base.model.startswith("params:") or family(base.model) != "gpt":
+        return out  # tensor and pipeline parallelism cut the package's GPT only
+    parts = gpt_parts(base.model)
+    tps = [t for t in _divisors(per_node) if t > 1 and n % t == 0
+           and not tensor_parallel_problems(base.model, t, base.seq_len, False)]
+    for t in tps:
+        out.append(replace(plain, strategy="tp", tp=t) if t == n else replace(plain, strategy="fsdp", tp=t))
+    for p in (p for p in _divisors(n) if p > 1 and parts.layers % p == 0):
+        for t in [1, *tps]:
+            if n % (p * t):
+                continue
+            for schedule in ("pp-1f1b", "pp-interleaved"):
+                if parts.layers % (2 * p) and schedule == "pp-interleaved":
+                    continue  # two stages per rank
+                out.append(replace(plain, strategy=schedule, pp=p, tp=t))
+    return out
+
+
+def _microbatch_problem(setup: Setup) -> str | None:
+    if setup.strategy not in PIPELINES:
+        return None
+    from multigpu.strategies.pp import microbatch_problem
+
+    return microbatch_problem(setup.strategy, setup.grad_accum_steps, degrees(setup)["pp"])
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]

@@ -12,6 +12,12 @@ Two parts, derived differently:
   measures it), so every batch size after that is arithmetic: no candidate is traced.
 
 What a step holds at its peak is then put together phase by phase (`estimate`).
+
+Under tensor and pipeline parallelism (the package's GPT only, the model those strategies
+cut) a rank holds a share of both (`rank_shares`): the blocks of its pipeline stage(s),
+each weight matrix cut by tp, and, per micro-batch, that share of the traced activations;
+a pipeline schedule keeps several micro-batches' activations alive at once. The estimate
+is that of the most loaded pipeline rank, which is what must fit.
 """
 
 from __future__ import annotations
@@ -202,9 +208,11 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
                           tail=line(tail), last_block=line(last))
 
 
-# -- the peak of one training step, per rank ---------------------------------------------------
+# -- the question: a model, a strategy, a grid of ranks ------------------------------------------
 
-ESTIMATED = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
+DATA_PARALLEL = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
+PIPELINES = ("pp-gpipe", "pp-1f1b", "pp-interleaved")  # the library's schedules (strategies/pp.py)
+ESTIMATED = (*DATA_PARALLEL, "tp", *PIPELINES)
 # fp32; bf16-mixed as this package runs it (autocast: fp32 parameters, gradients and optimizer
 # state, bf16 compute); bf16-master as the ZeRO paper and DeepSpeed count mixed precision (bf16
 # parameters and gradients, an fp32 master copy of the weights in the optimizer state)
@@ -235,33 +243,270 @@ class Setup:
     bucket_cap_mb: float = 25.0
     cuda_context_bytes: int = 0  # what the CUDA context takes on each GPU (0 on CPU)
     backend: str = "nccl"  # "gloo" (CPU): its reduce-scatter works on a copy of the whole input
+    # the rank grid, as RunConfig has it: world_size = dp x pp x tp
+    tp: int = 1  # tensor-parallel degree: with fsdp (2D), with a pipeline, or the strategy tp (default: all ranks)
+    pp: int = 1  # pipeline ranks, with a pp-* strategy (default: what tp leaves); its micro-batches: grad_accum_steps
+    sequence_parallel: bool = False  # tensor parallel: the residual stream and LayerNorms cut along the sequence
+
+
+def degrees(setup: Setup) -> dict[str, int]:
+    """{"dp", "pp", "tp"}: the rank grid, read as `RunConfig.degrees` reads it. A strategy's
+    own name spans what the others leave: `tp` alone is tp = world size; a pipeline is
+    pp = world size / tp unless pp is given; a data-parallel strategy is dp = world size /
+    (tp x pp). One difference: a pipeline given both pp and tp takes the ranks left as its
+    data-parallel ranks (FSDP inside each stage), where a run asks for them (--dp)."""
+    n, tp, pp = setup.world_size, setup.tp, setup.pp
+    if setup.strategy == "tp" and tp == 1:
+        tp = n
+    if setup.strategy in PIPELINES and pp == 1:
+        pp = max(1, n // tp)
+    return {"dp": max(1, n // (tp * pp)), "pp": pp, "tp": tp}
 
 
 @dataclass
 class Estimate:
     setup: Setup
     global_batch: int | None
-    per_rank_batch: int | None  # samples per rank per micro-batch (dp: per replica)
+    per_rank_batch: int | None  # samples per data-parallel rank per micro-batch (dp: per replica)
     per_rank_bytes: dict  # CATEGORIES and "total", at the estimated peak
     phase: str  # where the peak falls: "forward" (end of forward), "backward" or "model states only"
     method: str
+    pipeline_rank: int | None = None  # under a pipeline: the rank (stage) whose peak this is, the highest
 
     def as_dict(self) -> dict:
-        return {"setup": asdict(self.setup), "global_batch": self.global_batch, "batch_size": self.global_batch,
-                "per_rank_batch": self.per_rank_batch, "per_rank_bytes": self.per_rank_bytes,
-                "phase": self.phase, "method": self.method}
+        return {"setup": asdict(self.setup), "degrees": degrees(self.setup), "global_batch": self.global_batch,
+                "batch_size": self.global_batch, "per_rank_batch": self.per_rank_batch,
+                "per_rank_bytes": self.per_rank_bytes, "phase": self.phase, "pipeline_rank": self.pipeline_rank,
+                "method": self.method}
 
 
-def model_states(setup: Setup) -> dict[str, int]:
-    """Parameters, gradients and optimizer state each rank keeps between steps (the ZeRO
-    formulas: `multigpu.memory.zero_model_states`)."""
+# -- what one rank holds of the model -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPTParts:
+    """A GPT's parameters as tensor and pipeline parallelism divide them: tensor parallelism
+    cuts every weight matrix and the vocabulary (strategies/tp.py's plan) and leaves the
+    LayerNorms, the row-parallel biases and the position table whole; a pipeline stage owns
+    a run of blocks (strategies/pp_split.py), the first also the embeddings, the last also
+    the final norm and the head (a copy of the embedding's weight when they are tied)."""
+
+    layers: int
+    d_model: int
+    d_ff: int
+    heads: int
+    block_cut: int  # per block: q, k, v, the two projections and the MLP's matrices, the column-parallel biases
+    block_whole: int  # per block: LayerNorms and row-parallel biases
+    largest_matrix: int  # elements of a block's largest weight (the MLP's)
+    embedding: int  # the token embedding, cut by vocabulary
+    positions: int  # the position table (the library cuts it by position under sequence parallelism)
+    final_norm: int
+    head: int  # the head's weight, cut by vocabulary
+    tied: bool  # the head is the token embedding's weight
+
+
+@lru_cache(maxsize=32)
+def gpt_parts(model: str) -> GPTParts:
+    """The parts of the package's GPT named by `model`, counted on the meta device."""
+    from multigpu.models import GPT
+
+    with torch.device("meta"):
+        built, _ = _build(model)
+    if not isinstance(built, GPT):
+        raise ConfigError(f"{model} is not the package's GPT: tensor and pipeline parallelism cut that model only")
+    cfg, block = built.cfg, built.blocks["0"]
+
+    def whole(name: str) -> bool:  # what every tensor-parallel rank keeps whole
+        return name.startswith("ln_") or name.endswith("proj.bias")
+
+    named = dict(block.named_parameters())
+    return GPTParts(
+        layers=cfg.n_layer, d_model=cfg.d_model, d_ff=cfg.d_ff, heads=cfg.n_head,
+        block_cut=sum(p.numel() for n, p in named.items() if not whole(n)),
+        block_whole=sum(p.numel() for n, p in named.items() if whole(n)),
+        largest_matrix=max(p.numel() for p in named.values()),
+        embedding=built.wte.weight.numel(), positions=built.wpe.weight.numel(),
+        final_norm=sum(p.numel() for p in built.ln_f.parameters()), head=built.lm_head.weight.numel(),
+        tied=cfg.tie_embeddings)
+
+
+def _tp_block_values(parts: GPTParts, sequence_parallel: bool) -> tuple[int, int]:
+    """(kept whole, cut by t): values per token that one block saves for backward, split by
+    what a tensor-parallel rank keeps of them. The package's block (fused attention, no
+    dropout) saves, per token:
+    - whole: the outputs of ln_1 and ln_2 (the inputs of the column-parallel linears, which
+      every rank needs whole) and the residual stream after attention and after the MLP
+      (the next LayerNorm's inputs): 4h; and the LayerNorms' mean and 1/std: 4;
+    - cut: q, k, v (3h) and attention's output (h) of the rank's heads, its log-sum-exp (one
+      per head), and the MLP's hidden units before and after GELU (2 d_ff).
+    This is Megatron's split (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198,
+    section 4.1: s*b*h*(10 + 24/t + 5as/(ht)) bytes per layer in 16 bits) without the
+    dropout masks and the attention scores, which this block does not keep. Under sequence
+    parallelism, as torch's library runs it, the residual stream and the LayerNorms are cut
+    along the sequence too, but each column-parallel linear keeps its all-gathered input
+    whole (Megatron's own version gathers it again in backward instead): 2h whole."""
+    h, cut = parts.d_model, 4 * parts.d_model + 2 * parts.d_ff + parts.heads
+    if sequence_parallel:
+        return 2 * h, cut + 2 * h + 4
+    return 4 * h + 4, cut
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank holds of the model before any data-parallel sharding (the whole model,
+    or its pipeline stages' blocks cut by tensor parallelism), and what one micro-batch
+    leaves on it for backward."""
+
+    parameters: int
+    largest_block: int  # parameters of the largest block it holds (a ZeRO-3 / FSDP unit)
+    outside_blocks: int  # parameters outside every block (the embeddings, the final norm, the head)
+    blocks: int
+    largest_tensor: int  # elements of its largest parameter
+    activations: ActivationCost | None  # one micro-batch's saved activations on this rank (None: a bare count)
+    recompute: tuple[float, float] = (0, 0)  # checkpointing: one block's activations made again, (fixed, per sample)
+    in_flight: float = 1  # micro-batches whose activations are alive at once (a pipeline's schedule)
+    loss_tensors: int = 2  # tensors of the log-probabilities' size the loss's gradient makes
+    grads_in_forward: bool = False  # a pipeline rank already holds gradients when its activations peak
+    pipeline_rank: int | None = None
+
+
+def bf16_weights(setup: Setup) -> bool:
+    """Whether the layers compute with bf16 weights: bf16-master keeps bf16 weights; this
+    package's bf16-mixed is autocast over fp32 weights, but FSDP's mixed-precision policy
+    gathers bf16 copies."""
+    return setup.dtype == "bf16-master" or (setup.dtype == "bf16-mixed" and data_parallel_kind(setup) in
+                                            ("fsdp", "pp-fsdp"))
+
+
+def _traced(setup: Setup, checkpointing: bool) -> ActivationCost:
+    return activation_cost(setup.model, setup.seq_len, setup.target_len,
+                           weights="bf16" if bf16_weights(setup) else "fp32",
+                           autocast=setup.dtype == "bf16-mixed", checkpointing=checkpointing)
+
+
+@lru_cache(maxsize=256)
+def rank_shares(setup: Setup) -> list[RankShare]:
+    """One share per pipeline rank (one in all without a pipeline); every data-parallel and
+    tensor-parallel rank of a stage holds the same amount."""
+    shape, d = model_shape(setup.model), degrees(setup)
+    if shape.vocab_size is None:  # params:<count>: the model states alone
+        return [RankShare(shape.parameters, 0, shape.parameters, 0, 0, None)]
+    cost = _traced(setup, setup.activation_checkpointing)
+    full = _traced(setup, False) if setup.activation_checkpointing else cost
+    if d["tp"] == d["pp"] == 1:
+        blocks = max(1, shape.blocks)
+        recompute = ((full.fixed - cost.fixed) / blocks, (full.per_sample - cost.per_sample) / blocks)
+        return [RankShare(shape.parameters, shape.largest_block, shape.outside_blocks, shape.blocks,
+                          shape.largest_tensor, cost, recompute)]
+    return [_model_parallel_share(setup, rank, cost, full) for rank in range(d["pp"])]
+
+
+def _model_parallel_share(setup: Setup, rank: int, cost: ActivationCost, full: ActivationCost) -> RankShare:
+    """Pipeline rank `rank`'s stages, each weight matrix cut by tp; its activations are the
+    traced ones of its blocks (scaled by `_tp_block_values`), of the embeddings on the first
+    stage, of the final norm, head and loss on the last. Micro-batches in flight on a rank:
+    GPipe all m (every forward before any backward); 1F1B min(p - rank, m) (its warm-up is
+    p - rank - 1 forwards; PipeDream-Flush, Narayanan et al. 2021,
+    https://arxiv.org/abs/2104.04473); interleaved 1F1B with v stages per rank p(1 + (p-1)/(pv))
+    of a rank's layers on the first rank (Korthikanti et al. 2022, section 4.2.3), and by
+    assumption (p - rank) + (p - 1)/v on the others."""
+    from multigpu.strategies.pp import SCHEDULES, stage_indices
+    from multigpu.strategies.pp_split import stage_blocks
+
+    parts, d = gpt_parts(setup.model), degrees(setup)
+    t, p, m = d["tp"], d["pp"], setup.grad_accum_steps
+    pipeline, sp = setup.strategy in PIPELINES, setup.sequence_parallel
+    schedule = SCHEDULES[setup.strategy] if pipeline else None
+    v = schedule.stages_per_rank if pipeline else 1
+    stages, num_stages = (stage_indices(schedule, rank, p) if pipeline else [0]), p * v
+    blocks = sum(len(stage_blocks(parts.layers, num_stages, i)) for i in stages)
+    first, last = 0 in stages, num_stages - 1 in stages
+    block = parts.block_whole + parts.block_cut // t
+    outside = 0
+    if first:
+        outside += parts.embedding // t + parts.positions // (t if sp else 1)
+    if last:  # a tied head on the first stage's rank is the embedding itself
+        outside += parts.final_norm + (0 if parts.tied and first else parts.head // t)
+
+    # activations, (fixed, per sample): the traced whole model's, taken apart
+    def times(pair, k):
+        return pair[0] * k, pair[1] * k
+
+    L = parts.layers
+    embeddings = (cost.fixed - L * cost.last_block[0] - cost.tail[0],
+                  cost.per_sample - L * cost.last_block[1] - cost.tail[1])
+    whole, cut = _tp_block_values(parts, sp)
+    k_full = (whole + cut / t) / (whole + cut)
+    k = (1 / t if sp else 1) if setup.activation_checkpointing else k_full  # a checkpointed block keeps its input
+    # a block's part that does not grow with the batch is autocast's bf16 copies of its weights,
+    # cut as the weights are
+    k_weights = (parts.block_whole + parts.block_cut / t) / (parts.block_whole + parts.block_cut)
+
+    def block_of(traced, k_samples):
+        return traced.last_block[0] * k_weights, traced.last_block[1] * k_samples
+
+    one_block = block_of(cost, k)
+    recompute = tuple(a - b for a, b in zip(block_of(full, k_full), one_block)) \
+        if setup.activation_checkpointing else (0, 0)
+    # the loss's log-probabilities are cut by vocabulary where the loss is vocabulary-parallel
+    # (tp, fsdp with tp); a pipeline's last stage computes the loss from whole logits. Measured
+    # (tp_scaling, compositions): torch's loss_parallel holds one more such tensor in backward
+    # than the from-scratch vocabulary-parallel loss
+    logits = cost.logits_per_sample / (1 if pipeline else t)
+    loss_tensors = 2 if pipeline else 3
+    # (the head's fixed part: autocast's bf16 copy of its weight, cut by vocabulary)
+    tail = (cost.tail[0] / t, cost.tail[1] - cost.logits_per_sample + logits) if last else (0, 0)
+    width = 2 if bf16_weights(setup) else 4
+    # the first stage keeps the embeddings' output; a later one the hidden states it received
+    stage_input = times(embeddings, 1 / t if sp else 1) if first else (0, setup.seq_len * parts.d_model * width)
+    activations = ActivationCost(
+        fixed=blocks * one_block[0] + stage_input[0] + tail[0],
+        per_sample=blocks * one_block[1] + stage_input[1] + tail[1],
+        logits_per_sample=logits if last else 0, tail=tail, last_block=one_block)
+    in_flight = {"pp-gpipe": m, "pp-1f1b": min(p - rank, m),
+                 "pp-interleaved": (p - rank) + (p - 1) / v}.get(setup.strategy, 1)
+    return RankShare(
+        parameters=blocks * block + outside, largest_block=block, outside_blocks=outside, blocks=blocks,
+        largest_tensor=max(parts.embedding // t if first or last else 0, parts.largest_matrix // t),
+        activations=activations, recompute=recompute, in_flight=in_flight, loss_tensors=loss_tensors,
+        grads_in_forward=pipeline and setup.strategy != "pp-gpipe" and m > in_flight,
+        pipeline_rank=rank if pipeline else None)
+
+
+# -- the peak of one training step, per rank ---------------------------------------------------
+
+
+def data_parallel_kind(setup: Setup) -> str:
+    """How the ranks holding the same piece of the model work together: the data-parallel
+    strategy's own way; "single" for tensor parallelism or a pipeline with no data-parallel
+    ranks; "pp-fsdp" for FSDP inside a pipeline's stages."""
+    if setup.strategy in DATA_PARALLEL:
+        return setup.strategy
+    if setup.strategy in PIPELINES and degrees(setup)["dp"] > 1:
+        return "pp-fsdp"
+    return "single"
+
+
+def _zero_stage(setup: Setup) -> int:
+    """What the data-parallel ranks shard between steps, as a ZeRO stage (FSDP's for a
+    pipeline's data-parallel ranks)."""
     from multigpu.config import ZERO_STAGE
+
+    return 3 if data_parallel_kind(setup) == "pp-fsdp" else ZERO_STAGE.get(data_parallel_kind(setup), 0)
+
+
+def model_states(setup: Setup, share: RankShare | None = None) -> dict[str, int]:
+    """Parameters, gradients and optimizer state a rank keeps between steps (the ZeRO
+    formulas: `multigpu.memory.zero_model_states`) of its share of the model (default: the
+    most loaded pipeline rank's)."""
     from multigpu.memory import zero_model_states
 
-    shape = model_shape(setup.model)
-    stage = ZERO_STAGE[setup.strategy]
+    if share is None:
+        return max((model_states(setup, s) for s in rank_shares(setup)), key=lambda states: sum(states.values()))
+    stage = _zero_stage(setup)
     accounting = "bf16-mixed" if setup.dtype == "bf16-master" else "fp32"  # memory.zero_model_states' names
-    states = zero_model_states(shape.parameters, setup.world_size if stage else 1, stage, setup.optimizer, accounting)
+    states = zero_model_states(share.parameters, degrees(setup)["dp"] if stage else 1, stage, setup.optimizer,
+                               accounting)
     states = {k: math.ceil(v) for k, v in states.items()}
     if setup.offload_optimizer:
         states["optimizer"] = 0
@@ -270,23 +515,43 @@ def model_states(setup: Setup) -> dict[str, int]:
 
 def estimate(setup: Setup, global_batch: int | None = None) -> Estimate:
     """Per-rank bytes at the peak of one training step (`global_batch` samples over all
-    ranks), or the model states alone when `global_batch` is None."""
+    ranks), or the model states alone when `global_batch` is None; under a pipeline, the
+    peak of the most loaded rank."""
     _check(setup)
-    states = model_states(setup)
+    d = degrees(setup)
+    method = "ZeRO formulas for the model states"
+    if d["tp"] > 1 or d["pp"] > 1:
+        method += " of the rank's share (its stages' blocks, matrices cut by tp)"
     if global_batch is None:
-        per_rank = {**states, "activations": 0, "other": setup.cuda_context_bytes}
-        per_rank["total"] = sum(per_rank.values())
-        return Estimate(setup, None, None, per_rank, "model states only",
-                        "ZeRO formulas for the model states; no batch, no activations")
+        found = []
+        for share in rank_shares(setup):
+            per_rank = {**model_states(setup, share), "activations": 0, "other": setup.cuda_context_bytes}
+            per_rank["total"] = sum(per_rank.values())
+            found.append((per_rank["total"], share.pipeline_rank, per_rank))
+        _, rank, per_rank = max(found, key=lambda f: f[0])
+        return Estimate(setup, None, None, per_rank, "model states only", f"{method}; no batch, no activations",
+                        rank)
     b = _per_rank_batch(setup, global_batch)
-    phases = _phases(setup, states, b)
-    phase = max(phases, key=lambda name: sum(phases[name].values()))
-    per_rank = {k: int(phases[phase][k]) for k in CATEGORIES}
-    per_rank["other"] += setup.cuda_context_bytes
-    per_rank["total"] = sum(per_rank.values())
-    return Estimate(setup, global_batch, b, per_rank, phase,
-                    "ZeRO formulas for the model states; activations traced once on fake tensors "
-                    "(batch 1 and 2) and scaled linearly; the peak from the step's phases")
+    if model_shape(setup.model).vocab_size is None:
+        _traced(setup, False)  # says why: a bare parameter count has no activations
+    found = []
+    for share in rank_shares(setup):
+        phases = _phases(setup, share, model_states(setup, share), b)
+        phase = max(phases, key=lambda name: sum(phases[name].values()))
+        per_rank = {k: int(phases[phase][k]) for k in CATEGORIES}
+        per_rank["other"] += setup.cuda_context_bytes
+        per_rank["total"] = sum(per_rank.values())
+        found.append((per_rank["total"], share.pipeline_rank, phase, per_rank))
+    _, rank, phase, per_rank = max(found, key=lambda f: f[0])
+    method += "; activations traced once on fake tensors (batch 1 and 2) and scaled linearly"
+    if d["tp"] > 1:
+        method += ", cut by tp as Megatron cuts them (Korthikanti et al. 2022)"
+    if d["pp"] > 1:
+        method += ", times the schedule's micro-batches in flight"
+    return Estimate(setup, global_batch, b, per_rank, phase, f"{method}; the peak from the step's phases", rank)
+
+
+MAX_SEQ_LEN = 2**20  # a million tokens: beyond any model here, and beyond what a trace can allocate
 
 
 def _check(setup: Setup) -> None:
@@ -298,53 +563,108 @@ def _check(setup: Setup) -> None:
         raise ConfigError(f"dtype must be one of {', '.join(ESTIMATOR_DTYPES)}, got {setup.dtype!r}")
     if setup.optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {setup.optimizer!r}")
-    if not isinstance(setup.world_size, int) or setup.world_size < 1:
-        raise ConfigError(f"world size must be a whole number of at least 1, got {setup.world_size!r}")
+    for name in ("world_size", "tp", "pp"):
+        value = getattr(setup, name)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name.replace('_', ' ')} must be a whole number of at least 1, got {value!r}")
     if setup.strategy == "single" and setup.world_size != 1:
         raise ConfigError("strategy single runs on one device: use --world-size 1")
     if setup.seq_len < 1 or (setup.target_len is not None and setup.target_len < 1):
         raise ConfigError("sequence lengths must be at least 1")
+    longest = max(setup.seq_len, setup.target_len or 0)
+    if longest > MAX_SEQ_LEN:  # attention's scores alone would be seq_len^2 per head and sample
+        raise ConfigError(f"a sequence of {longest:,} tokens is beyond what the estimator traces (at most "
+                          f"{MAX_SEQ_LEN:,}: one attention score matrix would be {longest**2 * 4 / 2**40:,.0f} TiB); "
+                          "use a shorter --seq-len")
     if setup.grad_accum_steps < 1:
         raise ConfigError(f"gradient accumulation steps must be at least 1, got {setup.grad_accum_steps}")
     if setup.offload_optimizer and setup.strategy not in ("zero1", "zero2", "zero3"):
         raise ConfigError("optimizer offload (ZeRO-Offload) goes with a ZeRO stage: zero1, zero2 or zero3")
+    _check_grid(setup)
+
+
+def _check_grid(setup: Setup) -> None:
+    """The degrees tile the world, the strategy takes them, and the model can be cut so."""
+    s, d = setup.strategy, degrees(setup)
+    given = [f"{k} {getattr(setup, k)}" for k in ("tp", "pp") if getattr(setup, k) > 1]
+    if (s in DATA_PARALLEL and s != "fsdp" and given) or (s in ("fsdp", "tp") and setup.pp > 1):
+        raise ConfigError(f"strategy {s} does not combine with {' and '.join(given)}: tensor parallelism goes with "
+                          f"fsdp (2D), with a pipeline or alone (tp); pipeline parallelism is a strategy of its own "
+                          f"({', '.join(PIPELINES)}), with tp and data-parallel ranks inside")
+    if d["dp"] * d["pp"] * d["tp"] != setup.world_size:
+        raise ConfigError(f"world size {setup.world_size} is not a multiple of pp {d['pp']} x tp {d['tp']} "
+                          f"= {d['pp'] * d['tp']}; use a world size of {d['pp'] * d['tp']}, "
+                          f"{2 * d['pp'] * d['tp']}, ...")
+    if s == "tp" and d["dp"] > 1:
+        raise ConfigError(f"strategy tp is tensor parallel only, but world size {setup.world_size} with tp {d['tp']} "
+                          f"leaves {d['dp']} data-parallel ranks: use fsdp with tp {d['tp']} (2D)")
+    if setup.sequence_parallel and (d["tp"] == 1 or s in PIPELINES):
+        raise ConfigError("sequence parallelism cuts along the sequence what tensor parallelism keeps whole: it needs "
+                          "tp > 1, and the pipelines do not run it inside their stages")
+    if d["tp"] == d["pp"] == 1:
+        return
+    from multigpu.models import family, tensor_parallel_problems
+
+    kind = "a bare parameter count" if setup.model.startswith("params:") else f"a {family(setup.model)} model"
+    if kind != "a gpt model":
+        raise ConfigError(f"tensor and pipeline parallelism are estimated for the package's GPT (a gpt-* preset or a "
+                          f"gpt2 config.json), the model those strategies cut; {setup.model} is {kind}")
+    if d["tp"] > 1:
+        problems = tensor_parallel_problems(setup.model, d["tp"], setup.seq_len, setup.sequence_parallel)
+        if problems:
+            raise ConfigError(f"tp {d['tp']} cannot split {setup.model}: " + "; ".join(problems))
+    if s in PIPELINES:
+        from multigpu.strategies.pp import SCHEDULES, microbatch_problem
+
+        v, layers = SCHEDULES[s].stages_per_rank, gpt_parts(setup.model).layers
+        if d["pp"] * v > layers:
+            raise ConfigError(f"{s} cuts {setup.model} into {d['pp'] * v} stages ({d['pp']} ranks x {v}) but it has "
+                              f"{layers} blocks; use at most {layers // v} pipeline ranks")
+        why = microbatch_problem(s, setup.grad_accum_steps, d["pp"])
+        if why:
+            raise ConfigError(why)
 
 
 def _per_rank_batch(setup: Setup, global_batch: int) -> int:
-    per_step = setup.world_size * setup.grad_accum_steps
+    """Samples per data-parallel rank per micro-batch."""
+    dp, m = degrees(setup)["dp"], setup.grad_accum_steps
+    per_step = dp * m
     if not isinstance(global_batch, int) or global_batch < 1 or global_batch % per_step:
-        raise ConfigError(f"the global batch ({global_batch!r}) must be a positive multiple of world size x "
-                          f"accumulation steps ({setup.world_size} x {setup.grad_accum_steps} = {per_step})")
+        over = "world size" if dp == setup.world_size else "data-parallel ranks"
+        raise ConfigError(f"the global batch ({global_batch!r}) must be a positive multiple of {over} x "
+                          f"{'micro-batches' if setup.strategy in PIPELINES else 'accumulation steps'} "
+                          f"({dp} x {m} = {per_step})")
     return global_batch // per_step
 
 
-def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
+def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, dict[str, float]]:
     """What a rank holds, by category, at the moments one of which is the peak:
-    - "forward": the end of forward, every saved activation alive, the loss's gradient made;
+    - "forward": the end of forward, every saved activation alive (a pipeline's micro-batches
+      in flight), the loss's gradient made;
     - "backward, head done": the head's activations freed, its gradient in hand (ZeRO-2's
       first bucket is allocated now);
     - "backward, last block done": the last block's activations freed too, its whole
       gradient made and about to be reduce-scattered (ZeRO-3, FSDP);
+    - "backward, others in flight" (a pipeline): one micro-batch's backward done, every
+      gradient of the stage made, the other micro-batches' activations still alive;
     - "backward": the end of backward, every gradient made, the largest being summed."""
     shape = model_shape(setup.model)
     width = 2 if setup.dtype == "bf16-master" else 4  # bytes of a parameter, and of its gradient
-    psi, n, s = shape.parameters * width, setup.world_size, setup.strategy
-    # how the layers compute: this package's bf16-mixed is autocast, and FSDP's mixed-precision
-    # policy also gathers bf16 weights; bf16-master keeps bf16 weights and no autocast
-    bf16_weights = setup.dtype == "bf16-master" or (setup.dtype == "bf16-mixed" and s == "fsdp")
-    compute = {"weights": "bf16" if bf16_weights else "fp32", "autocast": setup.dtype == "bf16-mixed"}
-    cost = activation_cost(setup.model, setup.seq_len, setup.target_len, **compute,
-                           checkpointing=setup.activation_checkpointing)
+    psi, n, s = share.parameters * width, degrees(setup)["dp"], data_parallel_kind(setup)
+    in_bf16 = bf16_weights(setup)
+    cost = share.activations
     # T5's logits are freed before backward
-    saved = cost.saved(b) - (cost.logits_per_sample * b if shape.family == "t5" else 0)
+    one = cost.saved(b) - (cost.logits_per_sample * b if shape.family == "t5" else 0)
+    saved = share.in_flight * one
     tail, last_block = cost.freed_first(b)
-    loss = 2 * cost.logits_per_sample * b  # the loss's gradient: log-probabilities and logits
-    biggest = shape.largest_tensor * width  # the embedding (GPT ties it to the head)
+    loss = share.loss_tensors * cost.logits_per_sample * b  # the loss's gradient: log-probabilities and logits
+    biggest = share.largest_tensor * width  # the embedding (GPT ties it to the head)
     shard = math.ceil(psi / n)
-    unit_width = 2 if bf16_weights else width  # FSDP's mixed-precision policy gathers bf16 copies
-    root, block = shape.outside_blocks * unit_width, shape.largest_block * unit_width
+    unit_width = 2 if in_bf16 else width  # FSDP's mixed-precision policy gathers bf16 copies
+    root, block = share.outside_blocks * unit_width, share.largest_block * unit_width
     p, g, o = states["params"], states["grads"], states["optimizer"]
-    accumulating = setup.grad_accum_steps > 1
+    pipeline = setup.strategy in PIPELINES
+    accumulating = share.grads_in_forward if pipeline else setup.grad_accum_steps > 1
     fwd = {"params": p, "grads": 0, "optimizer": o, "activations": saved, "other": loss}
     bwd = {"params": p, "grads": g - biggest, "optimizer": o, "activations": 0, "other": 3 * biggest}
     phases = {"forward": fwd, "backward": bwd}
@@ -369,7 +689,7 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
         bwd.update(grads=g, other=bucket + 3 * biggest)
     if s == "zero3" or s == "fsdp":
         fsdp = s == "fsdp"
-        everything = shape.parameters * unit_width
+        everything = share.parameters * unit_width
         # at the end of forward the last block is resharded (unless FSDP keeps every unit) and
         # only the root stays gathered; FSDP2 leaves that block's all-gather buffer alive; FSDP's
         # gradients are None between steps, ours (zero3) are kept shards
@@ -388,23 +708,32 @@ def _phases(setup: Setup, states: dict, b: int) -> dict[str, dict[str, float]]:
             phases["backward, in the last block"] = {
                 **gathered_block, "grads": 0, "activations": saved - tail, "other": loss + block}
             phases["backward, in the block before"] = {
-                **gathered_block, "grads": math.ceil(shape.largest_block * width / n),
+                **gathered_block, "grads": math.ceil(share.largest_block * width / n),
                 "activations": saved - tail - last_block, "other": loss + 2 * block}
         # the blocks are done and resharded; the root's (embedding's) gradient is being summed
         bwd.update(params=p + root, grads=g, other=3 * biggest)
+    if s == "pp-fsdp":  # FSDP inside a stage: the stage's parameters gathered from the step's first
+        # forward to its last backward (reshard_after_forward=False), its gradients whole until the
+        # stage's last backward reduce-scatters them
+        gathered = p + share.parameters * unit_width
+        fwd.update(params=gathered, grads=psi if accumulating else 0)
+        bwd.update(params=gathered, grads=psi + g)
+    if pipeline:
+        phases["backward, others in flight"] = {**bwd, "activations": saved - one}
     if setup.activation_checkpointing:  # backward recomputes one block at a time
-        full = activation_cost(setup.model, setup.seq_len, setup.target_len, **compute)
-        per_block = (full.saved(b) - cost.saved(b)) / max(1, shape.blocks)
-        bwd["activations"] += per_block
+        recomputed = share.recompute[0] + share.recompute[1] * b
+        for name in ("backward", "backward, others in flight"):
+            if name in phases:
+                phases[name]["activations"] += recomputed
     return phases
 
 
 def largest_batch(setup: Setup, memory_bytes: int) -> Estimate | None:
     """The estimate for the largest global batch whose peak fits in `memory_bytes` per rank
-    (global batches step by world size x accumulation steps), or None if not even the
+    (global batches step by data-parallel ranks x micro-batches), or None if not even the
     smallest fits. The peak grows with the batch, so a doubling search then a bisection
     find it in a few dozen evaluations of the formulas."""
-    step = setup.world_size * setup.grad_accum_steps
+    step = degrees(setup)["dp"] * setup.grad_accum_steps
 
     def fits(k: int) -> bool:
         return estimate(setup, k * step).per_rank_bytes["total"] <= memory_bytes
@@ -443,7 +772,9 @@ def parse_bytes(text: str, allow_zero: bool = False) -> int:
 
 # a recorded strategy -> the estimator's (the from-scratch and library versions of one idea)
 _AS_ESTIMATED = {"single": "single", "dp": "dp", "ddp": "ddp", "ddp-scratch": "ddp", "zero1": "zero1",
-                 "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp"}  # FSDP1's flat parameters: not modelled
+                 "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp",  # FSDP1's flat parameters: not modelled
+                 "tp": "tp", "tp-scratch": "tp", "pp-gpipe": "pp-gpipe", "pp-gpipe-scratch": "pp-gpipe",
+                 "pp-1f1b": "pp-1f1b", "pp-1f1b-scratch": "pp-1f1b", "pp-interleaved": "pp-interleaved"}
 
 
 def measured_categories(record: dict, rank: int = 0) -> dict[str, int]:
@@ -453,22 +784,40 @@ def measured_categories(record: dict, rank: int = 0) -> dict[str, int]:
     such as DDP's buckets, under activations); other is the rest of the peak."""
     peak = record["peak_memory_bytes_by_rank"][rank]
     out = {k: peak[k] for k in ("params", "grads", "optimizer")}
-    out["activations"] = min(record["saved_activation_bytes_by_rank"][rank], peak["activations"])
+    saved = record["saved_activation_bytes_by_rank"][rank]
+    if record["config"]["strategy"].startswith("pp-"):  # one micro-batch's; several are alive at the peak
+        saved = peak["activations"]
+    out["activations"] = min(saved, peak["activations"])
     out["other"] = peak["total"] - sum(out.values())
     out["total"] = peak["total"]
     return out
 
 
 def setup_of(record: dict) -> Setup | None:
-    """The estimator's question for a recorded run, or None for a strategy it does not model."""
+    """The estimator's question for a recorded run, or None for a strategy it does not model
+    (also: ddp-scratch with tp, HSDP's replicas, FSDP wrapping anything but blocks)."""
+    from multigpu.config import RunConfig
+    from multigpu.models import default_seq_len
+
     c = record["config"]
-    if c["strategy"] not in _AS_ESTIMATED or c["extra"].get("wrap", "blocks") != "blocks":
+    extra = c["extra"]
+    if c["strategy"] not in _AS_ESTIMATED or extra.get("wrap", "blocks") != "blocks" or extra.get("replicas"):
         return None
+    grid = RunConfig(strategy=c["strategy"], world_size=c["world_size"], tp=c.get("tp", 1), pp=c.get("pp", 1),
+                     dp=c.get("dp")).degrees
+    if grid["tp"] > 1 and c["strategy"] == "ddp-scratch":
+        return None
+    if _AS_ESTIMATED[c["strategy"]] in PIPELINES:  # fewer micro-batches than the library's schedule takes
+        from multigpu.strategies.pp import microbatch_problem
+
+        if microbatch_problem(_AS_ESTIMATED[c["strategy"]], c["grad_accum_steps"], grid["pp"]):
+            return None
     return Setup(model=c["model"], strategy=_AS_ESTIMATED[c["strategy"]], world_size=c["world_size"],
-                 seq_len=c["seq_len"], dtype=c["dtype"], optimizer=c["optimizer"],
+                 seq_len=c["seq_len"] or default_seq_len(c["model"]), dtype=c["dtype"], optimizer=c["optimizer"],
                  activation_checkpointing=c["activation_checkpointing"], grad_accum_steps=c["grad_accum_steps"],
-                 reshard_after_forward=c["extra"].get("reshard_after_forward", True),
-                 bucket_cap_mb=c["bucket_cap_mb"], backend=record["provenance"]["backend"])
+                 reshard_after_forward=extra.get("reshard_after_forward", True),
+                 bucket_cap_mb=c["bucket_cap_mb"], backend=record["provenance"]["backend"],
+                 tp=grid["tp"], pp=grid["pp"], sequence_parallel=bool(extra.get("sequence_parallel")))
 
 
 def categories_off(row: dict) -> list[str]:
@@ -481,16 +830,22 @@ def categories_off(row: dict) -> list[str]:
 
 def against_records(records: list[dict]) -> list[dict]:
     """One row per recorded run the estimator models: estimated and measured bytes by
-    category (rank 0; the DP primary), and the relative error of the total."""
+    category (rank 0, the DP primary; under a pipeline the rank whose estimated peak is the
+    highest), and the relative error of the total."""
     rows = []
     for r in records:
         setup = setup_of(r)
-        if setup is None or not (r.get("peak_memory_bytes_by_rank") or [{}])[0].get("total"):
+        if setup is None or not ((r.get("peak_memory_bytes_by_rank") or [None])[0] or {}).get("total"):
             continue  # a strategy the estimator does not model, or a run that did not track memory
         found = estimate(setup, r["config"]["global_batch_size"])
-        est, meas = found.per_rank_bytes, measured_categories(r)
+        est, meas = found.per_rank_bytes, measured_categories(r, found.pipeline_rank or 0)
+        d = degrees(setup)
+        grid = ", ".join(f"{k} {d[k]}" for k in ("tp", "pp") if d[k] > 1)
+        variant = ", ".join(v for v in ("no reshard" if not setup.reshard_after_forward else "",
+                                        "SP" if setup.sequence_parallel else "",
+                                        f"m {setup.grad_accum_steps}" if setup.strategy in PIPELINES else "") if v)
         rows.append({"experiment": r.get("experiment"), "strategy": r["config"]["strategy"],
-                     "variant": "no reshard" if not setup.reshard_after_forward else "",
+                     "variant": variant, "grid": grid, "rank": found.pipeline_rank or 0,
                      "world_size": r["config"]["world_size"], "global_batch": r["config"]["global_batch_size"],
                      "estimated": est, "measured": meas, "total_error": est["total"] / meas["total"] - 1,
                      "phase": found.phase})

@@ -1,0 +1,318 @@
+"""Machines as numbers, and what one training step costs on them.
+
+A machine is a GPU (its memory and peak dense FLOP/s, and the share of that peak a training
+step achieves) times GPUs per node times nodes, with two links: between the GPUs of a node,
+and between nodes. Every number names its source; one that is not from a datasheet or a
+record is called an assumption, here and in what `describe` prints.
+
+A link is Hockney's latency-bandwidth model, as in `multigpu.comm`: a collective that makes
+each rank send S bytes takes alpha + S / bandwidth, with S what the ring algorithm sends
+(`comm.sent_bytes`, e.g. 2(N-1)/N of the payload for an all-reduce). Bandwidths are the
+datasheets' per direction, an upper bound on what collectives achieve.
+
+`step_time` puts one training step together (a model of it, not a measurement):
+- compute: 6 FLOPs per parameter per token (forward 2, backward 4), plus the attention's
+  12 L h s per token (the Ultra-Scale Playbook's count, as picotron's MFU uses it); 8 and
+  16 with activation checkpointing (the forward runs twice); at the machine's achieved FLOP/s;
+- the collectives of each dimension of the rank grid on the link the placement puts them on,
+  the part that cannot hide behind compute added to the step (`OVERLAP`);
+- the pipeline's bubble: (p-1)/m of the compute for GPipe and 1F1B, (p-1)/(v m) interleaved
+  (Narayanan et al. 2021), which is (p-1)/(m+p-1) of the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from multigpu.comm import sent_bytes
+from multigpu.config import ConfigError
+from multigpu.estimate import (
+    GPUS,
+    PIPELINES,
+    Setup,
+    bf16_weights,
+    data_parallel_kind,
+    degrees,
+    gpt_parts,
+    model_shape,
+    rank_shares,
+)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link, as the alpha-beta model sees it."""
+
+    name: str
+    bandwidth_bytes_per_s: float  # one direction: per GPU inside a node, per node between nodes
+    alpha_s: float  # the fixed cost of one collective call
+    source: str
+    alpha_source: str = ("assumption: a few microseconds of link latency plus a collective's launch and "
+                         "synchronisation, taken as 10 us per call inside a node")
+    fits: tuple = ()  # measured: (collective, alpha_s, seconds per byte sent), one per collective timed
+
+    def seconds(self, kind: str, payload_bytes: float, ranks: int, share: float = 1.0, calls: int = 1) -> float:
+        """`calls` calls of collective `kind` on `ranks` ranks that hand it `payload_bytes` in
+        all (an all-gather: the shards), when this flow gets `share` of the link's bandwidth.
+        A measured link times each collective by its own fit (a send as an all-gather, which
+        sends its payload once)."""
+        if ranks == 1 or calls == 0:
+            return 0.0
+        fitted = {k: (a, b) for k, a, b in self.fits}
+        alpha, beta = fitted.get("all_gather" if kind == "send" else kind,
+                                 (self.alpha_s, 1 / self.bandwidth_bytes_per_s))
+        return calls * alpha + sent_bytes(kind, payload_bytes, ranks) * beta / share
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    bf16_flops: float  # peak dense FLOP/s, bf16 tensor cores
+    fp32_flops: float  # peak FP32 FLOP/s (PyTorch does not use TF32 for matmuls by default)
+    source: str
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    gpu: GPU
+    gpus_per_node: int
+    nodes: int
+    intra: Link  # between the GPUs of a node
+    inter: Link | None  # between nodes
+    fast_between_nodes: bool = True  # the guide's "fast inter-node connectivity"
+    mfu: float = 0.40  # achieved share of the peak FLOP/s
+    mfu_source: str = (
+        "assumption: 40% of the peak, the middle of reported training runs (picotron: 38% MFU for "
+        "LLaMA-2-7B on 64 H100 and about 50% for SmolLM-1.7B on 8; torchtitan: 33-39% for Llama 3.1 8B "
+        "with FSDP on 8 H100; Llama 3 405B: 38-43%, Dubey et al. 2024), taken as the rate of the compute "
+        "alone, the same for every strategy and micro-batch")
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Achieved FLOP/s of one GPU: bf16 tensor cores for the mixed precisions, else FP32."""
+        return self.mfu * (self.gpu.fp32_flops if dtype == "fp32" else self.gpu.bf16_flops)
+
+
+# -- the catalogue ----------------------------------------------------------------------------
+
+H100_SXM = GPU("H100 SXM5 80GB", GPUS["h100-80gb"], 989e12, 67e12,
+               "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity (989 dense), FP32 "
+               "67 TFLOPS, 80 GB")
+A100_SXM = GPU("A100 SXM4 80GB", GPUS["a100-80gb"], 312e12, 19.5e12,
+               "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, 80 GB")
+A100_PCIE = GPU("A100 PCIe 80GB", GPUS["a100-80gb"], 312e12, 19.5e12,
+                "NVIDIA A100 Tensor Core GPU datasheet (PCIe): BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, 80 GB")
+
+NVLINK4 = Link("NVLink 4 through NVSwitch", 450e9, 10e-6,
+               "NVIDIA H100 datasheet: 900 GB/s of NVLink per GPU, both directions together")
+NVLINK3 = Link("NVLink 3 through NVSwitch", 300e9, 10e-6,
+               "NVIDIA A100 datasheet: 600 GB/s of NVLink per GPU, both directions together")
+PCIE4 = Link("PCIe Gen4 x16", 31.5e9, 10e-6,
+             "PCI-SIG PCIe 4.0: 16 GT/s per lane x 16 lanes, 128b/130b encoding = 31.5 GB/s each way")
+_NETWORK_ALPHA = "assumption: 20 us per collective call between nodes (a network hop is slower than NVLink)"
+IB_NDR_X8 = Link("8 x 400 Gb/s InfiniBand NDR per node", 8 * 50e9, 20e-6,
+                 "NVIDIA DGX H100: eight ConnectX-7 400 Gb/s ports for the compute network; 400 Gb/s = 50 GB/s",
+                 _NETWORK_ALPHA)
+ETH_100G = Link("one 100 Gb/s Ethernet port per node", 12.5e9, 20e-6,
+                "IEEE 802.3 100 Gb/s Ethernet: 12.5 GB/s; one port per node is an assumption", _NETWORK_ALPHA)
+
+MACHINES = {
+    "8xh100-nvlink": Machine("8 x H100 SXM, NVLink 4", H100_SXM, 8, 1, NVLINK4, IB_NDR_X8),
+    # the machine of the sources' chart: 8 A100 with 600 GB/s NVLink
+    "8xa100-nvlink": Machine("8 x A100 SXM 80GB, NVLink 3", A100_SXM, 8, 1, NVLINK3, IB_NDR_X8),
+    "8xa100-pcie": Machine("8 x A100 PCIe 80GB, PCIe Gen4, no NVLink", A100_PCIE, 8, 1, PCIE4, ETH_100G,
+                           fast_between_nodes=False),
+    "2x8xh100-ib": Machine("2 nodes x 8 H100 SXM, NVLink 4 inside, 8 x 400 Gb/s InfiniBand between", H100_SXM, 8,
+                           2, NVLINK4, IB_NDR_X8),
+    "2x8xh100-100g": Machine("2 nodes x 8 H100 SXM, NVLink 4 inside, 100 Gb/s Ethernet between", H100_SXM, 8, 2,
+                             NVLINK4, ETH_100G, fast_between_nodes=False),
+}
+
+
+def generic_machine(gpus: int, nodes: int, memory_bytes: int, fast: bool) -> Machine:
+    """A machine given only by counts and memory (the CLI's --gpus --nodes --gpu-memory
+    --interconnect): H100 SXM compute and NVLink 4 inside a node, and between nodes 8 x 400 Gb/s
+    InfiniBand (fast) or one 100 Gb/s Ethernet port (slow). An assumption, said by its name."""
+    if gpus < 1 or nodes < 1 or gpus % nodes:
+        raise ConfigError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
+    gpu = GPU(f"a GPU of {memory_bytes / 2**30:.0f} GiB, computing as an H100 SXM (assumption)", memory_bytes,
+              H100_SXM.bf16_flops, H100_SXM.fp32_flops, H100_SXM.source)
+    return Machine(f"{gpus} GPUs in {nodes} node(s), NVLink 4 inside, {'fast' if fast else 'slow'} links between "
+                   "(assumed)", gpu, gpus // nodes, nodes, NVLINK4, IB_NDR_X8 if fast else ETH_100G,
+                   fast_between_nodes=fast)
+
+
+def recorded_machine(ranks: int = 2, tag: str | None = None) -> Machine:
+    """The machine that made the records (`tag`: a folder of results/; default the richest),
+    as `ranks` CPU processes: its link is the alpha-beta fit of its timed collectives
+    (experiment link_model), and its compute rate what one process achieved training
+    gpt-small alone (experiment tp_scaling: one thread, as each rank has)."""
+    from multigpu import records
+
+    fits = tuple((r["collective"], r["alpha_s"], r["beta_s_per_byte"]) for r in records.load("link_model", tag)
+                 if r["world_size"] == ranks)
+    if not fits:
+        raise ConfigError(f"no recorded link model for {ranks} ranks: the link_model experiment times 2 and 4")
+    single = next(r for r in records.load("tp_scaling", tag) if r["config"]["strategy"] == "single")
+    c, prov = single["config"], single["provenance"]
+    setup = Setup(c["model"], "single", 1, seq_len=c["seq_len"], dtype=c["dtype"])
+    rate = flops_per_sample(setup) * c["global_batch_size"] / single["step_time_s"]
+    core = GPU(f"one CPU process of {prov['device_names'][0]}, {prov['threads_per_worker']} thread", 0, rate, rate,
+               f"measured: {c['model']}'s single-process step in tp_scaling ({prov['machine_tag']}, "
+               f"{prov['date'][:10]})")
+    median = sorted(a for _, a, _ in fits)[len(fits) // 2]
+    link = Link(f"{prov['backend']} over loopback, fitted", 1 / max(b for _, _, b in fits), median,
+                f"measured: link_model's timed collectives on {ranks} ranks ({prov['machine_tag']})",
+                "measured: the fitted alpha of each collective", fits)
+    return Machine(f"{prov['machine_tag']} as {ranks} processes", core, ranks, 1, link, None, mfu=1.0,
+                   mfu_source="measured: the rate is what a process achieved, not a share of a peak")
+
+
+def describe(machine: Machine) -> list[str]:
+    """The machine's numbers, each with its source (or 'assumption')."""
+    lines = [f"{machine.name}: {machine.nodes} node(s) of {machine.gpus_per_node} {machine.gpu.name} "
+             f"({machine.gpu.source})",
+             f"compute: {machine.mfu:.0%} of the peak ({machine.mfu_source})",
+             f"inside a node: {machine.intra.name}, {machine.intra.bandwidth_bytes_per_s / 1e9:.1f} GB/s each way "
+             f"per GPU ({machine.intra.source}); {machine.intra.alpha_source}"]
+    if machine.nodes > 1 and machine.inter is not None:
+        lines.append(f"between nodes: {machine.inter.name}, {machine.inter.bandwidth_bytes_per_s / 1e9:.1f} GB/s "
+                     f"each way per node ({machine.inter.source}); {machine.inter.alpha_source}")
+    return lines
+
+
+# -- one step ---------------------------------------------------------------------------------
+
+# What may run while the GPU computes, and behind which compute (the rest adds to the step):
+# DDP's bucketed all-reduce and ZeRO-2's bucketed reduce-scatter behind backward; ZeRO-3's and
+# FSDP's prefetched all-gathers and their reduce-scatters behind forward and backward. Nothing
+# else hides: ZeRO-1's reduce-scatter waits for the end of backward, ZeRO-1/2's all-gather of the
+# updated parameters for the optimizer step, FSDP inside a pipeline stage gathers once before the
+# step's first forward and reduce-scatters after its last backward, and tensor parallelism's
+# all-reduces and a pipeline's sends are each awaited by the next layer or stage. Hiding is taken
+# as perfect up to the compute it runs behind: real overlap is partial (the collectives' kernels
+# compete with the compute's), so the sharded strategies' times are lower bounds; `step_time`'s
+# overlap=False gives the other bound, where nothing hides.
+OVERLAP = {"ddp": "backward", "zero2": "backward", "zero3": "all", "fsdp": "all"}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one training step, by where they go. `comm_s`: what each grid dimension's
+    collectives take ("dp", "tp", "pp"); `exposed_s`: what of it adds to the step."""
+
+    compute_s: float
+    bubble_s: float
+    comm_s: dict = field(default_factory=dict)
+    exposed_s: dict = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.bubble_s + sum(self.exposed_s.values())
+
+    def as_dict(self) -> dict:
+        return {"total_s": self.total_s, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
+                "comm_s": dict(self.comm_s), "exposed_comm_s": dict(self.exposed_s)}
+
+
+def flops_per_sample(setup: Setup) -> float:
+    """FLOPs of forward and backward for one sample: 6 per parameter per token plus the
+    attention's 12 L h s per token (8 and 16 when activation checkpointing runs forward
+    twice). T5: each half of the parameters sees one of the two lengths, taken as their mean."""
+    shape = model_shape(setup.model)
+    tokens = setup.seq_len if shape.family != "t5" else (setup.seq_len + (setup.target_len or setup.seq_len)) / 2
+    per_param, per_attention = (8, 16) if setup.activation_checkpointing else (6, 12)
+    attention = 0.0
+    if shape.family == "gpt":
+        parts = gpt_parts(setup.model)
+        attention = per_attention * parts.layers * parts.d_model * tokens
+    return (per_param * shape.parameters + attention) * tokens
+
+
+def group_link(machine: Machine, size: int, stride: int) -> tuple[Link, float]:
+    """The link a collective of `size` ranks `stride` apart runs on, and the share of its
+    bandwidth each of the groups running at once gets. Ranks fill nodes in order, tp
+    innermost, then dp, then pp (`runtime.RankGrid`'s layout): a group inside one node uses
+    the GPUs' own links; across nodes a ring leaves each node once, and every group of its
+    kind runs the same collective at the same time, so gpus_per_node / (members per node)
+    rings share each node's network."""
+    per_node = machine.gpus_per_node
+    if size == 1 or (size - 1) * stride < per_node:
+        return machine.intra, 1.0
+    if machine.inter is None:
+        raise ConfigError(f"a group of {size} ranks {stride} apart spans nodes, but {machine.name} has no link "
+                          "between nodes")
+    members_per_node = max(1, per_node // stride)
+    share = min(1.0, members_per_node / per_node,
+                machine.intra.bandwidth_bytes_per_s / machine.inter.bandwidth_bytes_per_s)
+    return machine.inter, share
+
+
+def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool = True) -> StepTime:
+    """The model of one step of `global_batch` samples: see the module's docstring.
+    overlap=False: no collective hides behind compute (the upper bound of `OVERLAP`'s)."""
+    if setup.strategy == "dp":
+        raise ConfigError("the step-time model covers one process per GPU; DataParallel (dp) runs one process")
+    if setup.world_size != machine.gpus:
+        raise ConfigError(f"{setup.strategy} on {setup.world_size} ranks, but {machine.name} has {machine.gpus} GPUs")
+    d, kind = degrees(setup), setup.strategy
+    dp, tp, pp, m = d["dp"], d["tp"], d["pp"], setup.grad_accum_steps
+    compute = flops_per_sample(setup) * global_batch / (setup.world_size * machine.flops_per_s(setup.dtype))
+    backward = compute * (6 / 8 if setup.activation_checkpointing else 2 / 3)  # backward (and recompute) FLOPs
+    comm, exposed = {}, {}
+
+    shares = rank_shares(setup)
+    params = max(s.parameters for s in shares)  # the busiest rank's, cut by tp, before data-parallel sharding
+    grad_width = 2 if setup.dtype == "bf16-master" else 4
+    weight_width = 2 if bf16_weights(setup) else 4  # what ZeRO-3 gathers (FSDP's mixed precision: bf16 copies)
+    act_width = 2 if setup.dtype != "fp32" else 4  # activations between layers and stages
+    if dp > 1:  # the data-parallel collectives, once per step or per micro-batch
+        link, share = group_link(machine, dp, tp)
+        grads, weights, units = params * grad_width, params * weight_width, max(s.blocks for s in shares) + 1
+        buckets = max(1, math.ceil(grads / (setup.bucket_cap_mb * 2**20)))  # gradients go in buckets
+        run = data_parallel_kind(setup)
+        if run == "ddp":
+            seconds = link.seconds("all_reduce", grads, dp, share, calls=buckets)
+        elif run in ("zero1", "zero2"):
+            scatters = m if run == "zero2" else 1  # ZeRO-2 keeps only its gradient shard between micro-batches
+            seconds = (link.seconds("reduce_scatter", scatters * grads, dp, share, calls=scatters * buckets)
+                       + link.seconds("all_gather", grads / dp, dp, share, calls=buckets))
+        elif run in ("zero3", "fsdp"):
+            gathers = 1 if (run == "fsdp" and not setup.reshard_after_forward) else 2  # per micro-batch, per unit
+            seconds = m * (link.seconds("all_gather", gathers * weights / dp, dp, share, calls=gathers * units)
+                           + link.seconds("reduce_scatter", grads, dp, share, calls=units))
+        else:  # FSDP inside a pipeline stage: once per step
+            seconds = (link.seconds("all_gather", weights / dp, dp, share)
+                       + link.seconds("reduce_scatter", grads, dp, share))
+        hides = {"backward": backward, "all": compute}.get(OVERLAP.get(run), 0.0) if overlap else 0.0
+        if run == "zero2":  # its all-gather after the step does not hide
+            after = link.seconds("all_gather", grads / dp, dp, share, calls=buckets)
+            comm["dp"], exposed["dp"] = seconds, max(0.0, seconds - after - hides) + after
+        else:
+            comm["dp"], exposed["dp"] = seconds, max(0.0, seconds - hides)
+    # one micro-batch's hidden states (b, s, h): what tensor parallelism all-reduces and a stage sends
+    activation = global_batch // (dp * m) * setup.seq_len * act_width * (
+        gpt_parts(setup.model).d_model if tp > 1 or pp > 1 else 0)
+    if tp > 1:  # per micro-batch: each block's two all-reduces forward and two backward (three and three
+        # when checkpointing recomputes the forward), the embedding's forward and the head's backward
+        link, share = group_link(machine, tp, 1)
+        per_block = 6 if setup.activation_checkpointing else 4
+        calls = m * (per_block * max(s.blocks for s in shares) + 2)
+        comm["tp"] = exposed["tp"] = link.seconds("all_reduce", calls * activation, tp, share, calls=calls)
+    bubble = 0.0
+    if kind in PIPELINES:  # each micro-batch's activations forward and their gradients back, per stage crossed
+        from multigpu.strategies.pp import SCHEDULES
+
+        v = SCHEDULES[kind].stages_per_rank
+        link, share = group_link(machine, pp, dp * tp)
+        sends = 2 * v * (m + pp - 1)
+        comm["pp"] = exposed["pp"] = link.seconds("send", sends * activation, 2, share, calls=sends)
+        bubble = compute * (pp - 1) / (v * m)
+    return StepTime(compute, bubble, comm, exposed)
+
