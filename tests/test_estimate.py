@@ -151,16 +151,22 @@ def test_a_bare_number_is_bytes_and_zero_only_where_allowed():
 
 
 def test_a_named_gpu_is_its_memory_less_the_cuda_context():
-    def other(*args):
-        result = run_cli("estimate", "--model", "gpt-small", "--seq-len", "128", "--max-batch", "--json", *args)
+    """A named GPU: its memory, less the CUDA context (500 MiB unless --cuda-context says),
+    cuBLAS's workspaces and the allocator's rounding; a bare --gpu-memory is all usable."""
+    from multigpu.estimate import allocator_rounding_bytes, cublas_workspace_bytes
+
+    def other(*args, batch=("--batch-size", "8")):
+        result = run_cli("estimate", "--model", "gpt-small", "--seq-len", "128", *batch, "--json", *args)
         assert result.returncode == 0, result.stderr
         out = only_json_line(result.stdout)
-        return out["max_batch_size"], out["per_rank_bytes"]["other"]
+        return out.get("max_batch_size"), out["per_rank_bytes"]["other"]
 
-    named = other("--gpu", "v100-16gb")
-    assert named == other("--gpu-memory", "16GiB", "--cuda-context", "500MiB")
-    assert other("--gpu", "v100-16gb", "--cuda-context", "0") == other("--gpu-memory", "16GiB")
-    assert named[0] < other("--gpu-memory", "16GiB")[0]
+    gpu_extra = cublas_workspace_bytes("v100-16gb") + allocator_rounding_bytes(Setup("gpt-small", on_cuda=True))
+    _, named = other("--gpu", "v100-16gb")
+    assert named - other("--gpu-memory", "16GiB", "--cuda-context", "500MiB")[1] == gpu_extra
+    assert named - other("--gpu", "v100-16gb", "--cuda-context", "0")[1] == 500 * 2**20
+    assert other("--gpu", "v100-16gb", batch=["--max-batch"])[0] < other("--gpu-memory", "16GiB",
+                                                                           batch=["--max-batch"])[0]
 
 
 def test_estimate_cli_answers_in_json():
@@ -391,3 +397,25 @@ def test_bad_grids_are_explained(changes, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         estimate(replace(Setup("gpt-small", seq_len=128), **changes), 8)
 
+
+
+def test_on_a_gpu_the_estimate_adds_the_context_the_cublas_workspaces_and_the_rounding():
+    """What a GPU holds besides the step's tensors, each from its source: the CUDA context
+    (given), two cuBLAS workspaces (32 MiB each on Hopper, 8.125 MiB before) and at most
+    511 bytes per tensor copy from the allocator's 512-byte blocks."""
+    from dataclasses import replace
+
+    from multigpu.estimate import allocator_rounding_bytes, cublas_workspace_bytes, model_shape
+
+    assert cublas_workspace_bytes("NVIDIA H100 80GB HBM3") == 64 * 2**20
+    assert cublas_workspace_bytes("NVIDIA A100-SXM4-80GB") == 2 * (8 * 2**20 + 128 * 2**10)
+    assert cublas_workspace_bytes(None) == 0
+    cpu = Setup("gpt-small", "ddp", 2, seq_len=128, optimizer="adamw")
+    gpu = replace(cpu, cuda_context_bytes=500 * 2**20, cuda_workspace_bytes=cublas_workspace_bytes("H100"),
+                  on_cuda=True)
+    assert allocator_rounding_bytes(gpu) == model_shape("gpt-small").tensors * 4 * 511  # param, grad, 2 moments
+    assert allocator_rounding_bytes(cpu) == 0
+    a, b = estimate(cpu, 8).per_rank_bytes, estimate(gpu, 8).per_rank_bytes
+    assert b["other"] - a["other"] == 500 * 2**20 + 64 * 2**20 + allocator_rounding_bytes(gpu)
+    assert {k: v for k, v in a.items() if k not in ("other", "total")} == \
+        {k: v for k, v in b.items() if k not in ("other", "total")}

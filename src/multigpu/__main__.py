@@ -134,7 +134,7 @@ def cmd_check(args) -> int:
 def cmd_estimate(args) -> int:
     import time
 
-    from multigpu.estimate import Setup, estimate, largest_batch
+    from multigpu.estimate import Setup, cublas_workspace_bytes, estimate, largest_batch
 
     start = time.perf_counter()
     memory, context = _device_memory(args)
@@ -147,6 +147,7 @@ def cmd_estimate(args) -> int:
                   activation_checkpointing=args.activation_checkpointing, grad_accum_steps=args.grad_accum_steps,
                   reshard_after_forward=args.reshard_after_forward == "true",
                   offload_optimizer=args.offload_optimizer, cuda_context_bytes=context,
+                  cuda_workspace_bytes=cublas_workspace_bytes(args.gpu), on_cuda=args.gpu is not None,
                   tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel)
     if args.max_batch:
         found = largest_batch(setup, memory)
@@ -176,8 +177,9 @@ def cmd_estimate(args) -> int:
     print(f"  per rank, at the peak ({result.phase}):")
     for k, v in result.per_rank_bytes.items():
         print(f"    {k:<12}{_gib(v):>12}")
-    if context:
-        print(f"  'other' includes {_gib(context)} assumed for the CUDA context (--cuda-context to change)")
+    if context or setup.cuda_workspace_bytes:
+        print(f"  'other' includes {_gib(context)} assumed for the CUDA context (--cuda-context to change) and "
+              f"{_gib(setup.cuda_workspace_bytes)} for cuBLAS's two workspaces on a {args.gpu}")
     if memory is not None:
         print(f"  fits: {'yes' if out['fits'] else 'no'} ({total / memory:.0%} of {_gib(memory)})")
     print(f"  method: {result.method}")

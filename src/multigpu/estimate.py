@@ -48,6 +48,7 @@ class ModelShape:
     largest_tensor: int  # elements of the largest parameter (the embedding, in these models)
     vocab_size: int | None  # None: a bare parameter count, no activations known
     family: str | None  # "gpt", "t5" or None
+    tensors: int = 0  # parameter tensors (each rounded up to 512 bytes by the CUDA allocator)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ def model_shape(model: str) -> ModelShape:
     outside = sum(p.numel() for p in params if id(p) not in in_blocks)
     vocab = built.cfg.vocab_size if family == "gpt" else built.config.vocab_size
     return ModelShape(model, total, largest, outside, blocks=len(blocks),
-                      largest_tensor=max(p.numel() for p in params), vocab_size=vocab, family=family)
+                      largest_tensor=max(p.numel() for p in params), vocab_size=vocab, family=family,
+                      tensors=len(params))
 
 
 class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
@@ -225,6 +227,31 @@ GPUS = {  # name -> the memory its name says, read as GiB; the usable amount is 
 }
 
 
+def cublas_workspace_bytes(gpu_name: str | None) -> int:
+    """What cuBLAS's workspaces take of a GPU during training, through the caching allocator
+    (so `torch.cuda.max_memory_allocated` counts them): one workspace per (handle, stream),
+    and a step uses two handles, the forward's thread and autograd's backward thread. Each is
+    4096 KiB x 8 = 32 MiB on Hopper and later, 4096 KiB x 2 + 16 KiB x 8 = 8.125 MiB before
+    (torch 2.13, aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize; the map of
+    workspaces per handle and stream: ATen/cuda/CUDAContextLight.h). 0 off a GPU."""
+    if not gpu_name:
+        return 0
+    hopper = any(tag in gpu_name.lower() for tag in ("h100", "h200", "h800", "gh200", "b100", "b200", "gb200"))
+    return 2 * (32 * 2**20 if hopper else 4096 * 1024 * 2 + 16 * 1024 * 8)
+
+
+def allocator_rounding_bytes(setup: Setup) -> int:
+    """The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes
+    (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize), and MemTracker counts the rounded
+    size on CUDA (torch/distributed/_tools/mem_tracker.py): at most 511 bytes per tensor.
+    An upper bound: every parameter tensor's parameter, gradient and optimizer copies
+    (AdamW: two) each lose 511 bytes. 0 off a GPU."""
+    if not setup.on_cuda:
+        return 0
+    copies = 2 + {"sgd": 0, "sgd-momentum": 1}.get(setup.optimizer, 2)
+    return model_shape(setup.model).tensors * copies * 511
+
+
 @dataclass(frozen=True)
 class Setup:
     """One question: this model, this strategy, this many ranks, this batch."""
@@ -242,6 +269,8 @@ class Setup:
     offload_optimizer: bool = False  # ZeRO-Offload: the optimizer state and step live in host memory
     bucket_cap_mb: float = 25.0
     cuda_context_bytes: int = 0  # what the CUDA context takes on each GPU (0 on CPU)
+    cuda_workspace_bytes: int = 0  # cuBLAS's workspaces on each GPU (cublas_workspace_bytes; 0 on CPU)
+    on_cuda: bool = False  # a GPU: the allocator's 512-byte rounding counts (allocator_rounding_bytes)
     backend: str = "nccl"  # "gloo" (CPU): its reduce-scatter works on a copy of the whole input
     # the rank grid, as RunConfig has it: world_size = dp x pp x tp
     tp: int = 1  # tensor-parallel degree: with fsdp (2D), with a pipeline, or the strategy tp (default: all ranks)
@@ -513,6 +542,12 @@ def model_states(setup: Setup, share: RankShare | None = None) -> dict[str, int]
     return states
 
 
+def _cuda_overheads(setup: Setup) -> int:
+    """What a GPU holds besides the step's tensors: the CUDA context, cuBLAS's workspaces and
+    the allocator's rounding (each 0 on a CPU); counted under "other"."""
+    return setup.cuda_context_bytes + setup.cuda_workspace_bytes + allocator_rounding_bytes(setup)
+
+
 def estimate(setup: Setup, global_batch: int | None = None) -> Estimate:
     """Per-rank bytes at the peak of one training step (`global_batch` samples over all
     ranks), or the model states alone when `global_batch` is None; under a pipeline, the
@@ -525,7 +560,7 @@ def estimate(setup: Setup, global_batch: int | None = None) -> Estimate:
     if global_batch is None:
         found = []
         for share in rank_shares(setup):
-            per_rank = {**model_states(setup, share), "activations": 0, "other": setup.cuda_context_bytes}
+            per_rank = {**model_states(setup, share), "activations": 0, "other": _cuda_overheads(setup)}
             per_rank["total"] = sum(per_rank.values())
             found.append((per_rank["total"], share.pipeline_rank, per_rank))
         _, rank, per_rank = max(found, key=lambda f: f[0])
@@ -539,7 +574,7 @@ def estimate(setup: Setup, global_batch: int | None = None) -> Estimate:
         phases = _phases(setup, share, model_states(setup, share), b)
         phase = max(phases, key=lambda name: sum(phases[name].values()))
         per_rank = {k: int(phases[phase][k]) for k in CATEGORIES}
-        per_rank["other"] += setup.cuda_context_bytes
+        per_rank["other"] += _cuda_overheads(setup)
         per_rank["total"] = sum(per_rank.values())
         found.append((per_rank["total"], share.pipeline_rank, phase, per_rank))
     _, rank, phase, per_rank = max(found, key=lambda f: f[0])
@@ -817,6 +852,9 @@ def setup_of(record: dict) -> Setup | None:
                  activation_checkpointing=c["activation_checkpointing"], grad_accum_steps=c["grad_accum_steps"],
                  reshard_after_forward=extra.get("reshard_after_forward", True),
                  bucket_cap_mb=c["bucket_cap_mb"], backend=record["provenance"]["backend"],
+                 on_cuda=record["provenance"]["device_type"] == "cuda",
+                 cuda_workspace_bytes=cublas_workspace_bytes(record["provenance"]["device_names"][0])
+                 if record["provenance"]["device_type"] == "cuda" else 0,
                  tp=grid["tp"], pp=grid["pp"], sequence_parallel=bool(extra.get("sequence_parallel")))
 
 
@@ -835,8 +873,11 @@ def against_records(records: list[dict]) -> list[dict]:
     rows = []
     for r in records:
         setup = setup_of(r)
-        if setup is None or not ((r.get("peak_memory_bytes_by_rank") or [None])[0] or {}).get("total"):
-            continue  # a strategy the estimator does not model, or a run that did not track memory
+        peak = (r.get("peak_memory_bytes_by_rank") or [None])[0] or {}
+        if setup is None or not peak.get("total") or any(peak.get(c) is None for c in CATEGORIES):
+            # a strategy the estimator does not model, a run that did not track memory, or
+            # one whose categories the GPU path leaves unmeasured (dp on GPUs: the allocator's total only)
+            continue
         found = estimate(setup, r["config"]["global_batch_size"])
         est, meas = found.per_rank_bytes, measured_categories(r, found.pipeline_rank or 0)
         d = degrees(setup)
