@@ -276,3 +276,28 @@ def test_bad_node_arguments_are_refused_before_anything_starts(kwargs, expected,
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         launch(RunConfig(strategy="ddp", world_size=4), progress=False, **kwargs)
     assert list(run_dirs.iterdir()) == []
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_estimators_numbers(monkeypatch, run_dirs):
+    """With 200 MiB free, gpt-small at a batch of 256 is refused before any worker starts,
+    with what it needs, what is free and the largest batch the estimator says fits."""
+    launch_module = sys.modules["multigpu.launch"]
+    monkeypatch.setattr(launch_module, "available_bytes", lambda device: 200 * 2**20)
+    cfg = RunConfig(strategy="ddp", world_size=2, model="gpt-small", global_batch_size=256, steps=2)
+    with pytest.raises(ConfigError) as info:
+        launch(cfg, progress=False)
+    message = str(info.value)
+    assert "this run needs about" in message and "GiB per process" in message
+    assert "2 processes on this machine need" in message and "0.2 GiB is free" in message
+    assert "try --global-batch-size" in message and "--no-memory-check" in message
+    assert not list(run_dirs.glob("multigpu-run-*"))  # nothing started
+
+
+def test_a_small_run_pays_no_estimate(monkeypatch):
+    """The screen lets a run far below the free memory through without the estimator."""
+    from multigpu import estimate
+
+    launch_module = sys.modules["multigpu.launch"]
+    monkeypatch.setattr(estimate, "estimate", lambda *a, **k: pytest.fail("the estimator ran"))
+    cfg = RunConfig(strategy="ddp", world_size=2, steps=2).validate()
+    assert launch_module.memory_problem(cfg, "cpu", 2) is None

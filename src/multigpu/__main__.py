@@ -86,7 +86,8 @@ def cmd_run(args) -> int:
 
     cfg = _config(args)
     record = launch(cfg, port=args.port, timeout_s=args.timeout, progress=None if not args.json else False,
-                    nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+                    nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                    check_memory=not args.no_memory_check)
     if args.json:
         print(json.dumps(record))
         return 0
@@ -286,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "hosts the rendezvous")
     run.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT where the nodes meet: node 0's address and "
                      "a free port every node can reach (needed with --nnodes > 1)")
+    run.add_argument("--no-memory-check", action="store_true",
+                     help="start even if the estimator says the run does not fit in this machine's free memory")
     run.set_defaults(func=cmd_run)
     chk = sub.add_parser("check", help="parity of a strategy with single-device training")
     _add_run_options(chk)

@@ -114,6 +114,7 @@ def launch(
     nnodes: int = 1,
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
+    check_memory: bool = True,
 ) -> dict:
     """Run `cfg` on `cfg.world_size` processes; return the run's record (see records.py).
 
@@ -125,7 +126,9 @@ def launch(
     processes of all nodes), the same `nnodes` and `rdzv_endpoint` ("HOST:PORT", reachable
     from every node), and its own `node_rank`; node 0 hosts the rendezvous there. Each node
     starts world_size / nnodes workers; which global ranks they get is the rendezvous's
-    choice. Every node gets the record back."""
+    choice. Every node gets the record back.
+    check_memory: refuse, before any worker starts, a run the estimator says cannot fit in
+    this machine's free memory (`memory_problem`)."""
     from multigpu.runtime import choose_device
 
     cfg.validate()
@@ -139,6 +142,10 @@ def launch(
         device, backend, why = choose_device(cfg.device, per_node)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if check_memory:
+        problem = memory_problem(cfg, device, per_node)
+        if problem:
+            raise ConfigError(problem)
     if cfg.info.one_process:  # one process: no backend, the replicas are threads
         import importlib
 
@@ -162,6 +169,69 @@ def launch(
                     params_path=params_path, verbose=verbose, nnodes=nnodes, endpoint=rdzv_endpoint)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def available_bytes(device: str) -> int | None:
+    """Memory a worker could still take: the free memory of GPU 0, or the host's
+    MemAvailable (Linux's estimate of what can be allocated without swapping); None where
+    it cannot be read."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(0)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            found = re.search(r"^MemAvailable:\s+(\d+) kB", f.read(), re.M)
+    except OSError:
+        return None
+    return int(found.group(1)) * 1024 if found else None
+
+
+def memory_problem(cfg: RunConfig, device: str, per_node: int) -> str | None:
+    """Why this run cannot fit in this machine's memory, in the estimator's numbers, or None.
+
+    A cheap screen first, so that small runs pay nothing: the model states of a whole
+    unsharded AdamW copy (20 bytes per parameter) and 16 KiB per token in flight, times the
+    processes here, against a fifth of the free memory. Only a run that fails the screen is
+    estimated (chapter "Choosing a strategy": within about 10% of measured peaks). Strategies
+    and models the estimator does not model pass."""
+    from multigpu.models import parameter_count
+
+    free = available_bytes(device)
+    if free is None:
+        return None
+    on_one = per_node if device == "cpu" else 1  # CPU processes share the host; each GPU is its own
+    tokens = cfg.micro_batch_size * (cfg.seq_len or 1024)
+    if (20 * parameter_count(cfg.model) + 16 * 2**10 * tokens) * on_one < free / 5:
+        return None
+    from multigpu import estimate as est
+    from multigpu.records import cpu_name
+
+    name = torch_gpu_name() if device == "cuda" else cpu_name()
+    setup = est.setup_of({"config": cfg.to_dict(), "provenance": {
+        "backend": "nccl" if device == "cuda" else "gloo", "device_type": device, "device_names": [name]}})
+    if setup is None:
+        return None
+    try:
+        need = est.estimate(setup, cfg.global_batch_size).per_rank_bytes["total"]
+    except ConfigError:
+        return None  # what the estimator cannot answer, the run itself will find out
+    if need * on_one <= free:
+        return None
+    fits = est.largest_batch(setup, free // on_one)
+    where = f"{on_one} processes on this machine need {need * on_one / 2**30:.1f} GiB" if on_one > 1 else \
+        "the GPU needs that"
+    return (f"this run needs about {need / 2**30:.1f} GiB per process (estimated: model states, activations, "
+            f"buffers at the step's peak); {where}, and {free / 2**30:.1f} GiB is free; "
+            + (f"try --global-batch-size {fits.global_batch} (the largest that fits, estimated), " if fits else "")
+            + "a sharded strategy (zero3, fsdp), activation checkpointing, or fewer processes; or pass "
+            "check_memory=False (--no-memory-check) to start it anyway")
+
+
+def torch_gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 def check_nodes(cfg: RunConfig, nnodes, node_rank, rdzv_endpoint, port) -> int:
