@@ -149,12 +149,15 @@ def generic_machine(gpus: int, nodes: int, memory_bytes: int, fast: bool) -> Mac
 
 
 def recorded_machine(ranks: int = 2, tag: str | None = None) -> Machine:
-    """The machine that made the records (`tag`: a folder of results/; default the richest),
+    """The machine that made the records (`tag`: a folder of results/; default the richest
+    with both experiments),
     as `ranks` CPU processes: its link is the alpha-beta fit of its timed collectives
     (experiment link_model), and its compute rate what one process achieved training
     gpt-small alone (experiment tp_scaling: one thread, as each rank has)."""
     from multigpu import records
 
+    if tag is None:  # the richest machine that has both: a fit and a step from the same machine
+        tag = next((t for t in records.machines_with("tp_scaling") if t in records.machines_with("link_model")), None)
     fits = tuple((r["collective"], r["alpha_s"], r["beta_s_per_byte"]) for r in records.load("link_model", tag)
                  if r["world_size"] == ranks)
     if not fits:

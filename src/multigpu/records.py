@@ -151,12 +151,15 @@ def load(experiment: str, tag: str | None = None) -> list[dict]:
 
 
 def caption(records: list[dict]) -> str:
-    """'Measured on cpu-2core-gloo: gloo, 2 x Intel ..., torch 2.13.0, 2026-11-21.'"""
+    """'Measured on 8xH100-nccl (nccl, NVIDIA H100 80GB HBM3, torch 2.13.0+cu128), 2026-11-21,
+    commit 1a2b3c4d5e6f.' Every backend the runs used (threads: DataParallel's replicas); a
+    run of one process has none."""
     if not records:
         return "No records."
     p = records[0]["provenance"]
     dates = sorted(r["provenance"]["date"][:10] for r in records)
     when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    backends = ", ".join(sorted({r["provenance"]["backend"] for r in records} - {"none"})) or "one process"
     device = ", ".join(sorted(set(p["device_names"])))
-    return (f"Measured on {p['machine_tag']} ({p['backend']}, {device}, torch {p['torch']}), "
-            f"{when}, commit {p['git_commit']}.")
+    return (f"Measured on {p['machine_tag']} ({backends}, {device}, torch {p['torch']}), "
+            f"{when}, commit {p['git_commit'] or 'unknown'}.")
