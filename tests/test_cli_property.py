@@ -1,7 +1,10 @@
 """Every flag of every subcommand, given generated values (zero, negative, huge, nan, inf,
 empty, garbage, very long strings): either a configuration good enough to start (the test
 stops it just before any worker would), or exit code 2 with a short message. Never a
-traceback. In-process and fast: parsing and validation only, no worker is started."""
+traceback. In-process and fast: parsing and validation only, no worker is started.
+Derandomized, so that CI sees the same examples every time; to explore new ones, run with
+`--hypothesis-seed N` after removing `derandomize=True` (seed 6 once found a newline echoed
+into a message)."""
 
 from __future__ import annotations
 
@@ -60,7 +63,8 @@ def outcome(argv: list[str], monkeypatch) -> tuple[str, str]:
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(command=st.sampled_from(sorted(SUBCOMMAND_FLAGS)), data=st.data())
 def test_any_flag_value_starts_or_is_one_clear_error(command, data, monkeypatch):
     pairs = data.draw(st.lists(st.tuples(st.sampled_from(SUBCOMMAND_FLAGS[command]), VALUES), min_size=1,
@@ -90,7 +94,7 @@ ANSWER_BASE = {"estimate": ["--model", "gpt-tiny", "--world-size", "2", "--seq-l
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(command=st.sampled_from(sorted(ANSWER_FLAGS)), data=st.data())
 def test_estimate_and_advise_answer_or_give_one_clear_error(command, data, monkeypatch):
     flag = data.draw(st.sampled_from(ANSWER_FLAGS[command]), label="flag")

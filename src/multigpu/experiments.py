@@ -530,7 +530,8 @@ def run_experiments(names: list[str] | None = None) -> None:
     names = names or list(EXPERIMENTS)
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
-        raise ValueError(f"unknown experiment(s) {', '.join(unknown)}; choose from: {', '.join(EXPERIMENTS)}")
+        raise ValueError(f"unknown experiment(s) {', '.join(map(repr, unknown))}; choose from: "
+                         f"{', '.join(EXPERIMENTS)}")
     check_results_dir(records.RESULTS_DIR)
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if on_gpus() else []
     print(f"multigpu figures: {len(names)} experiment(s) on {records.machine_tag()}: {records.cpu_name()}, "
