@@ -108,7 +108,7 @@ def test_good_fault_string_is_parsed():
     "fields, expected",
     [
         (dict(lr=0.0), "lr must be positive, got 0.0"),
-        (dict(bucket_cap_mb=-1.0), "bucket_cap_mb must be positive, got -1.0"),
+        (dict(bucket_cap_mb=-1.0), "bucket_cap_mb must be a positive number of MiB up to 1048576"),
         (dict(seq_len=1), "seq_len must be a whole number >= 2, got 1"),
         (dict(steps=0), "steps must be a whole number >= 1, got 0"),
         (dict(grad_accum_steps=0), "grad_accum_steps must be a whole number >= 1, got 0"),

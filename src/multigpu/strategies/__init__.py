@@ -74,7 +74,8 @@ def micro_batch_step(par: Parallelized, micro_batches: list[dict], autocast_dtyp
             with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=mixed):
                 loss = compute_loss(par.module, batch) / len(micro_batches)
             par.backward(loss)
-        step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        # in float64, one addition at a time: the same sum as Python's over loss.item()s
+        step_loss = loss.detach().double() if step_loss is None else step_loss + loss.detach().double()
     par.step()
     return step_loss.item()
 
