@@ -137,13 +137,6 @@ class Advice:
     def per_gpu_bytes(self) -> int | None:
         return self.plan.memory.per_rank_bytes["total"] if self.plan else None
 
-    @property
-    def compared(self) -> dict[str, float]:
-        """plan -> seconds per step, every grid that fits."""
-        return {p.label: p.time.total_s for p in self.plans}
-
-    max_global_batch = None  # the advice is for a given global batch (kept for the command line)
-
     def best_of(self, name: str) -> Plan | None:
         """The fastest plan that fits of a family (DDP, ZeRO, TP, ZeRO+TP, PP, PP+DP, PP+TP,
         PP+TP+DP) or of one of the guide's names (`GUIDE_NAMES`)."""

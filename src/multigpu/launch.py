@@ -204,10 +204,12 @@ def memory_problem(cfg: RunConfig, device: str, per_node: int) -> str | None:
     tokens = cfg.micro_batch_size * (cfg.seq_len or 1024)
     if (20 * parameter_count(cfg.model) + 16 * 2**10 * tokens) * on_one < free / 5:
         return None
+    import torch
+
     from multigpu import estimate as est
     from multigpu.records import cpu_name
 
-    name = torch_gpu_name() if device == "cuda" else cpu_name()
+    name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
     setup = est.setup_of({"config": cfg.to_dict(), "provenance": {
         "backend": "nccl" if device == "cuda" else "gloo", "device_type": device, "device_names": [name]}})
     if setup is None:
@@ -226,12 +228,6 @@ def memory_problem(cfg: RunConfig, device: str, per_node: int) -> str | None:
             + (f"try --global-batch-size {fits.global_batch} (the largest that fits, estimated), " if fits else "")
             + "a sharded strategy (zero3, fsdp), activation checkpointing, or fewer processes; or pass "
             "check_memory=False (--no-memory-check) to start it anyway")
-
-
-def torch_gpu_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0)
 
 
 def check_nodes(cfg: RunConfig, nnodes, node_rank, rdzv_endpoint, port) -> int:

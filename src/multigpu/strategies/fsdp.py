@@ -20,10 +20,8 @@ across the groups (the order in `compose.py`); each parameter is then a 2-D DTen
 
 from contextlib import contextmanager
 
-from torch.distributed.tensor import DTensor
-
 from multigpu.strategies import Parallelized, build_optimizer, compose
-from multigpu.strategies.tp import fused_state_dict
+from multigpu.strategies.tp import whole_state_dict
 
 CHECKPOINTS_ITSELF = True  # activation checkpointing is step 3 of compose's order
 
@@ -51,9 +49,5 @@ def prepare(model, cfg, rt) -> Parallelized:
         finally:
             model.set_requires_gradient_sync(True)
 
-    def gather_state_dict():  # every parameter whole, under the single-device names
-        return fused_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
-                                 for k, v in model.state_dict().items()})
-
     return Parallelized(module=module, optimizer=optimizer, model=model, no_sync=no_sync,
-                        backward=getattr(module, "backward", None), gather_state_dict=gather_state_dict)
+                        backward=getattr(module, "backward", None), gather_state_dict=lambda: whole_state_dict(model))

@@ -115,12 +115,11 @@ def gather_state_dict(pieces: list[GPT], grid) -> dict[str, torch.Tensor]:
     single-device names (a tied weight under both of its names, as GPT.state_dict has).
     `pieces`: this rank's stages (one, or two under interleaved and V schedules), whose
     weights may be DTensors (tensor parallel, FSDP) to be gathered whole first."""
-    from multigpu.strategies.tp import fused_state_dict
+    from multigpu.strategies.tp import whole_state_dict
 
     mine = {}
     for piece in pieces:
-        whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in piece.state_dict().items()}
-        mine.update({k: v.detach().cpu().clone() for k, v in fused_state_dict(whole).items()})
+        mine.update({k: v.detach().cpu().clone() for k, v in whole_state_dict(piece).items()})
     parts = [None] * grid.size("pp")
     dist.all_gather_object(parts, mine, group=grid.group("pp"))
     state = {}

@@ -124,6 +124,14 @@ def fused_state_dict(state: dict) -> dict:
     return out
 
 
+def whole_state_dict(module: nn.Module) -> dict:
+    """`module`'s state dict with every DTensor (cut by TP, sharded by FSDP) gathered whole,
+    under the single-device names (`fused_state_dict`). Collective: every rank of the
+    tensors' meshes calls it."""
+    return fused_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
+                             for k, v in module.state_dict().items()})
+
+
 def gpt_plan(sequence_parallel: bool = False, loss_parallel: bool = True) -> dict[str, object]:
     """The plan for models.GPT, by module path ("blocks.*" is every block)."""
     # the residual stream between sublayers: whole on every rank, or cut along the sequence
@@ -288,9 +296,5 @@ def prepare(model, cfg, rt) -> Parallelized:
     module = compose.parallelize(model, cfg, rt.grid, shard=False)
     optimizer = build_optimizer(model.parameters(), cfg)  # DTensor parameters: each rank updates its shard
 
-    def gather_state_dict():  # every parameter whole, under the single-device names
-        return fused_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
-                                 for k, v in model.state_dict().items()})
-
     return Parallelized(module=module, optimizer=optimizer, model=model, backward=module.backward,
-                        gather_state_dict=gather_state_dict)
+                        gather_state_dict=lambda: whole_state_dict(model))
