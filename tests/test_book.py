@@ -72,3 +72,44 @@ def test_committed_records_have_the_schema(experiment):
             assert len(run["loss"]) == run["config"]["steps"]
             assert run["provenance"]["machine_tag"] == tag
             assert run["provenance"]["world_size"] == world_size
+
+
+# -- exercises -------------------------------------------------------------------------------
+
+EXERCISE = re.compile(r"^\*\*Exercise (\d+)[^*]*\.\*\*", re.M)
+ANSWER = re.compile(r"^:::\{dropdown\} Answer\n(.*?)^:::$", re.M | re.S)
+COMPUTED = re.compile(r"\{glue(?::text)?\}`[^`]*`|``[^`]*``|`[^`]*`|\$\$.*?\$\$|\$[^$]*\$", re.S)
+TYPED = re.compile(r"(?<![A-Za-z_\d.-])\d+(?:\.\d+)?(?![A-Za-z])")  # not in a name: fp16, ZeRO-3, 1F1B, 3D
+
+TYPED_IN_MATH = re.compile(r"(?:=|\\approx)\s*-?\d[\d.,]*\s*(?:\$|\\,|\\text|[^\w(^{\\])")  # "= 12" in a formula: a typed result
+
+
+def exercises(chapter: Path) -> tuple[list[str], list[str]]:
+    """(the exercises' numbers, the answers' text) of the chapter's "## Exercises" section."""
+    text = chapter.read_text()
+    start = text.find("\n## Exercises\n")
+    if start < 0:
+        return [], []
+    section = text[start:]
+    end = re.search(r"^## (?!Exercises)", section, re.M)
+    section = section[: end.start()] if end else section
+    return EXERCISE.findall(section), ANSWER.findall(section)
+
+
+@pytest.mark.parametrize("chapter", chapters()[1:], ids=lambda p: p.stem)  # all but the introduction
+def test_every_chapter_ends_with_exercises_whose_answers_are_computed(chapter):
+    numbers, answers = exercises(chapter)
+    assert len(numbers) >= 3, f"{chapter.stem}: {len(numbers)} exercises (at least 3 under '## Exercises')"
+    assert numbers == [str(i) for i in range(1, len(numbers) + 1)], f"{chapter.stem}: numbered {numbers}"
+    assert len(answers) == len(numbers), f"{chapter.stem}: {len(numbers)} exercises, {len(answers)} answers"
+    later = chapter.read_text().split("\n## Exercises\n", 1)[1]
+    assert not re.search(r"^## (?!References)", later, re.M), f"{chapter.stem}: Exercises is not the last section"
+    for i, answer in enumerate(answers, 1):
+        assert re.search(r"\{glue(?::text)?\}`ex_", answer), (
+            f"{chapter.stem}, exercise {i}: the answer glues nothing from its cell (glue names start with ex_)")
+        bare = COMPUTED.sub(" ", answer)
+        typed = [m.group() for m in TYPED.finditer(bare)]
+        assert not typed, f"{chapter.stem}, exercise {i}: a number typed in the answer: {bare.strip()[:200]!r}"
+        maths = re.findall(r"\$\$.*?\$\$|\$[^$]*\$", answer, re.S)
+        assert not [m for m in maths if TYPED_IN_MATH.search(m)], (
+            f"{chapter.stem}, exercise {i}: a typed result in a formula: {maths}")
