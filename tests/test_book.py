@@ -80,8 +80,8 @@ EXERCISE = re.compile(r"^\*\*Exercise (\d+)[^*]*\.\*\*", re.M)
 ANSWER = re.compile(r"^:::\{dropdown\} Answer\n(.*?)^:::$", re.M | re.S)
 COMPUTED = re.compile(r"\{glue(?::text)?\}`[^`]*`|``[^`]*``|`[^`]*`|\$\$.*?\$\$|\$[^$]*\$", re.S)
 TYPED = re.compile(r"(?<![A-Za-z_\d.-])\d+(?:\.\d+)?(?![A-Za-z])")  # not in a name: fp16, ZeRO-3, 1F1B, 3D
-
-TYPED_IN_MATH = re.compile(r"(?:=|\\approx)\s*-?\d[\d.,]*\s*(?:\$|\\,|\\text|[^\w(^{\\])")  # "= 12" in a formula: a typed result
+# "= 12" or "\approx 3.5" in a formula: a typed result (a formula's constants, 2(N-1)/N, are fine)
+TYPED_IN_MATH = re.compile(r"(?:=|\\approx)\s*-?\d[\d.,]*\s*(?:\$|\\,|\\text|[^\w(^{\\])")
 
 
 def exercises(chapter: Path) -> tuple[list[str], list[str]]:

@@ -140,3 +140,20 @@ def test_figures_never_lose_records(tmp_path, monkeypatch):
     jobs[1] = experiments.Job("b", _job_records, {"value": "new b"})
     experiments.run_experiment("fake")
     assert sorted(r["value"] for r in read_records(path)) == ["new a", "new b", "new c"]
+
+
+def test_results_go_where_the_readme_says(tmp_path, monkeypatch):
+    """MULTIGPU_RESULTS, else the checkout's results/ (the package's own, else the one the
+    current folder is in), else ./results."""
+    root = records.find_checkout(records.Path(records.__file__).resolve().parent)
+    assert root is not None and (root / "src" / "multigpu" / "records.py").is_file()
+    assert records.find_checkout(root / "book") == root
+    assert records.find_checkout(tmp_path) is None
+    monkeypatch.setenv("MULTIGPU_RESULTS", str(tmp_path / "mine"))
+    assert records._results_dir() == (tmp_path / "mine", "MULTIGPU_RESULTS")
+    monkeypatch.delenv("MULTIGPU_RESULTS")
+    assert records._results_dir()[0] == root / "results"
+    monkeypatch.setattr(records, "CHECKOUT", None)  # installed from a wheel, run outside any checkout
+    monkeypatch.chdir(tmp_path)
+    folder, why = records._results_dir()
+    assert folder == tmp_path / "results" and "current folder" in why

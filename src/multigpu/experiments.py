@@ -536,7 +536,8 @@ def run_experiments(names: list[str] | None = None) -> None:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if on_gpus() else []
     print(f"multigpu figures: {len(names)} experiment(s) on {records.machine_tag()}: {records.cpu_name()}, "
           f"{os.cpu_count()} cores, {len(gpus)} CUDA GPU(s){' (' + ', '.join(gpus) + ')' if gpus else ''}; "
-          f"torch {torch.__version__}; writing to {records.RESULTS_DIR}/<machine>/", flush=True)
+          f"torch {torch.__version__}; writing to {records.RESULTS_DIR}/<machine>/ (from {records.RESULTS_FROM})",
+          flush=True)
     start = time.monotonic()
     failures = []
     for name in names:

@@ -19,8 +19,35 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS_DIR = Path(os.environ.get("MULTIGPU_RESULTS", ROOT / "results"))
+
+def find_checkout(start: Path) -> Path | None:
+    """The book's checkout that holds `start` (the folder whose pyproject.toml names this
+    package), or None."""
+    for folder in (start, *start.parents):
+        pyproject = folder / "pyproject.toml"
+        try:
+            if pyproject.is_file() and 'name = "multigpu"' in pyproject.read_text(errors="replace"):
+                return folder
+        except OSError:
+            continue
+    return None
+
+
+def _results_dir() -> tuple[Path, str]:
+    """Where records are written and read, and why there: MULTIGPU_RESULTS, else the results/
+    of the checkout the package runs from (an editable install, `make`), else of the checkout
+    the current folder is in (a chapter executed from book/ with the package pip-installed),
+    else ./results."""
+    if os.environ.get("MULTIGPU_RESULTS"):
+        return Path(os.environ["MULTIGPU_RESULTS"]).expanduser(), "MULTIGPU_RESULTS"
+    if CHECKOUT is not None:
+        return CHECKOUT / "results", f"the checkout at {CHECKOUT}"
+    return Path.cwd() / "results", ("the current folder: no checkout of the book here or above it; "
+                                     "MULTIGPU_RESULTS sets another")
+
+
+CHECKOUT = find_checkout(Path(__file__).resolve().parent) or find_checkout(Path.cwd())
+RESULTS_DIR, RESULTS_FROM = _results_dir()
 
 
 class CorruptRecordWarning(UserWarning):
@@ -40,9 +67,11 @@ def cpu_name() -> str:
 def _git_commit() -> str | None:
     """The commit the code ran from, '-dirty' if code (not recorded results) was changed."""
     def git(*args):
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+        return subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True, text=True,
                               timeout=10).stdout.strip()
 
+    if CHECKOUT is None:
+        return None
     try:
         commit = git("rev-parse", "--short=12", "HEAD")
         changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")

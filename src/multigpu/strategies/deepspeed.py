@@ -7,21 +7,22 @@ itself: `engine.step()` after every micro-batch steps the optimizer only at the 
 `gradient_accumulation_steps` of them.
 
 On a CPU, DeepSpeed runs with `DS_ACCELERATOR=cpu` over gloo. Its first run compiles a
-small C++ extension; `TORCH_EXTENSIONS_DIR` keeps it under this project's `_build/` rather
-than in the user's home.
+small C++ extension; `TORCH_EXTENSIONS_DIR` keeps it under the checkout's `_build/` rather
+than in the user's home (installed without a checkout: under ~/.cache/multigpu).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch.distributed as dist
 
 from multigpu.config import ZERO_STAGE
-from multigpu.records import ROOT
+from multigpu.records import CHECKOUT
 from multigpu.strategies import Parallelized, build_optimizer
 
-EXTENSIONS_DIR = ROOT / "_build" / "torch_extensions"
+EXTENSIONS_DIR = (CHECKOUT / "_build" if CHECKOUT else Path.home() / ".cache" / "multigpu") / "torch_extensions"
 
 
 def config(cfg, stage: int) -> dict:
