@@ -24,8 +24,15 @@ install: $(STAMP)  ## create .venv and install the pinned dependencies and the p
 test: $(STAMP)  ## run the whole test suite (unit, parity on 2 and 4 processes, chapters)
 	$(PY) -m pytest
 
+# JUPYTERHUB_URL=https://your.hub adds a JupyterHub launch button to every chapter (_config.yml)
+JUPYTERHUB_URL ?=
+BOOK_CONFIG := $(if $(JUPYTERHUB_URL),--config _build/_config.yml,)
+
 book: $(STAMP)  ## execute every chapter on this machine and build the HTML site in _build/html
-	MULTIGPU_PROGRESS=0 $(VENV)/bin/jupyter-book build . -W -n --keep-going $(BOOK_FLAGS)
+	if [ -n "$(JUPYTERHUB_URL)" ]; then mkdir -p _build && $(PY) -c 'import sys, yaml; \
+	    c = yaml.safe_load(open("_config.yml")); c["launch_buttons"]["jupyterhub_url"] = sys.argv[1]; \
+	    yaml.safe_dump(c, open(sys.argv[2], "w"), sort_keys=False)' "$(JUPYTERHUB_URL)" _build/_config.yml; fi
+	MULTIGPU_PROGRESS=0 $(VENV)/bin/jupyter-book build . -W -n --keep-going $(BOOK_CONFIG) $(BOOK_FLAGS)
 
 notebooks: $(STAMP)  ## export .ipynb copies of the chapters into _build/notebooks
 	mkdir -p _build/notebooks

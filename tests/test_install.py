@@ -79,3 +79,44 @@ def test_pip_install_into_a_bare_environment_works_from_any_folder(tmp_path):
     assert len(written) == 1 and written[0].read_text().strip(), out
     site = sh(python, "-c", "import multigpu, sys; print(multigpu.__file__)", cwd=elsewhere, env=env)
     assert str(tmp_path / "venv") in site  # the installed copy ran, not the checkout's
+
+
+def pins(path: Path) -> dict[str, str]:
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==")
+            found[name.strip().lower()] = version.strip()
+    return found
+
+
+def test_every_declared_range_admits_the_pinned_release():
+    """`make` (requirements.txt's pins) and `pip install` (pyproject's ranges) agree."""
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = pins(ROOT / "requirements.txt")
+    declared = [Requirement(r) for r in project["dependencies"]]
+    declared += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra
+                 if not r.startswith("multigpu")]
+    for req in declared:
+        assert req.name.lower() in pinned, f"{req.name} is declared but not pinned in requirements.txt"
+        assert req.specifier.contains(pinned[req.name.lower()]), (req, pinned[req.name.lower()])
+
+
+def test_binder_installs_the_pinned_torch_as_a_cpu_build_and_the_package():
+    binder = pins(ROOT / "binder" / "requirements.txt")
+    assert binder["torch"] == pins(ROOT / "requirements.txt")["torch"] + "+cpu"
+    assert "-r ../requirements.txt" in (ROOT / "binder" / "requirements.txt").read_text()
+    assert "pip install --no-deps -e ." in (ROOT / "binder" / "postBuild").read_text()
+
+
+def test_the_site_has_repository_and_launch_buttons_from_one_setting():
+    import yaml
+
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    assert config["repository"]["url"].startswith("https://github.com/")
+    assert config["html"]["use_repository_button"] is True
+    assert config["launch_buttons"]["binderhub_url"] == "https://mybinder.org"
+    assert "JUPYTERHUB_URL" in (ROOT / "Makefile").read_text()
