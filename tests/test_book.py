@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def chapters() -> list[Path]:
+    """The introduction and the chapters: every page of the table of contents but the appendix."""
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]] + [c["file"] for part in toc["parts"] for c in part["chapters"]]
+    files = [toc["root"]] + [c["file"] for part in toc["parts"] if part["caption"] != "Appendix"
+                             for c in part["chapters"]]
     return [ROOT / f"{f}.md" for f in files]
 
 
@@ -113,3 +115,49 @@ def test_every_chapter_ends_with_exercises_whose_answers_are_computed(chapter):
         maths = re.findall(r"\$\$.*?\$\$|\$[^$]*\$", answer, re.S)
         assert not [m for m in maths if TYPED_IN_MATH.search(m)], (
             f"{chapter.stem}, exercise {i}: a typed result in a formula: {maths}")
+
+
+@pytest.mark.parametrize("chapter", chapters(), ids=lambda p: p.stem)
+def test_first_code_cell_says_how_to_install_the_package_when_the_kernel_lacks_it(chapter):
+    """A chapter opened in someone else's kernel says, in one line, what to install; it never
+    pip-installs by itself."""
+    first = chapter.read_text().split("```{code-cell} ipython3\n", 1)[1].split("\n```", 1)[0]
+    assert first.startswith(":tags: [remove-cell]\n"), f"{chapter.stem}: the first cell is not the install check"
+    assert 'find_spec(m) is None]' in first and '%pip install -e \\"..[chapters]\\"' in first, first
+    assert "subprocess" not in first and not re.search(r"^\s*%pip", first, re.M)
+
+
+def test_the_glossary_names_what_exists_and_links_every_chapter():
+    """Every package name in the glossary is real (a strategy, a flag of `run`, a Python name),
+    every chapter is linked from it, and every term has its Korean."""
+    import importlib
+
+    from multigpu.__main__ import build_parser
+    from multigpu.config import STRATEGIES
+
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    assert {"file": "book/glossary"} in toc["parts"][-1]["chapters"] and toc["parts"][-1]["caption"] == "Appendix"
+    text = (ROOT / "book" / "glossary.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| term")]
+    assert len(rows) > 50
+    run = build_parser()._subparsers._group_actions[0].choices["run"]  # argparse keeps its subcommands there
+    flags = {flag for action in run._actions for flag in action.option_strings}
+    assert "--tp" in flags
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 5 and all(cells), row
+        assert re.search(r"[\uac00-\ud7a3]", cells[1]) or cells[1] == cells[0], f"no Korean for {cells[0]}"
+        for name in re.findall(r"`([^`]+)`", cells[3]):
+            if name.startswith("--strategy "):
+                assert name.split()[1] in STRATEGIES, name
+            elif name.startswith("--"):
+                assert name.split()[0] in flags, name
+            else:
+                module, _, attr = name.rpartition(".")
+                try:
+                    found = importlib.import_module(name)
+                except ModuleNotFoundError:
+                    found = getattr(importlib.import_module(module), attr, None)
+                assert found is not None, f"{name} (glossary, {cells[0]}) does not exist"
+    linked = set(re.findall(r"\{doc\}`([a-z_]+)`", text))
+    assert linked == {c.stem for c in chapters()[1:]}, linked ^ {c.stem for c in chapters()[1:]}
