@@ -28,7 +28,19 @@ test: $(STAMP)  ## run the whole test suite (unit, parity on 2 and 4 processes, 
 JUPYTERHUB_URL ?=
 BOOK_CONFIG := $(if $(JUPYTERHUB_URL),--config _build/_config.yml,)
 
-book: $(STAMP)  ## execute every chapter on this machine and build the HTML site in _build/html
+# MathJax is served by the site itself (no page needs the network): installed from the npm
+# registry into _build/static, which _config.yml adds to the site's _static/ (its mathjax_path
+# names the version, the one place it is set).
+MATHJAX_VERSION := $(shell sed -n 's|^ *mathjax_path: mathjax/\([0-9.]*\)/.*|\1|p' _config.yml)
+MATHJAX := _build/static/mathjax/$(MATHJAX_VERSION)
+$(MATHJAX)/tex-mml-chtml.js:
+	@command -v npm >/dev/null || { echo "make book needs npm (Node.js) to install MathJax, which the site serves" \
+	    "itself so that formulas render offline: install Node.js (Debian: apt install npm), then run make book again" >&2; exit 1; }
+	npm install --silent --no-audit --no-fund --prefix _build/npm mathjax@$(MATHJAX_VERSION)
+	rm -rf _build/static/mathjax && mkdir -p $(MATHJAX)
+	cd _build/npm/node_modules/mathjax/es5 && cp -r tex-mml-chtml.js input output ui a11y adaptors $(CURDIR)/$(MATHJAX)/
+
+book: $(STAMP) $(MATHJAX)/tex-mml-chtml.js  ## execute every chapter on this machine and build the HTML site in _build/html
 	if [ -n "$(JUPYTERHUB_URL)" ]; then mkdir -p _build && $(PY) -c 'import sys, yaml; \
 	    c = yaml.safe_load(open("_config.yml")); c["launch_buttons"]["jupyterhub_url"] = sys.argv[1]; \
 	    yaml.safe_dump(c, open(sys.argv[2], "w"), sort_keys=False)' "$(JUPYTERHUB_URL)" _build/_config.yml; fi
