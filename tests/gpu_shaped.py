@@ -54,7 +54,7 @@ from multigpu.strategies.dp import GPUDataParallel
 launch_module = importlib.import_module("multigpu.launch")  # the package's `launch` is the function
 check_module = importlib.import_module("multigpu.check")
 
-COMMITTED = records.ROOT / "results" / "cpu-2core-gloo"
+COMMITTED = Path(__file__).resolve().parents[1] / "results" / "cpu-2core-gloo"
 GPU_NAME = "NVIDIA H100 80GB HBM3"
 GPU_MEMORY_BYTES = 85_029_158_912  # what torch.cuda.get_device_properties reports for an H100 80GB
 CUDA_CONTEXT_BYTES = 536_870_912  # what the CUDA context takes of it before any tensor (about 500 MiB)
