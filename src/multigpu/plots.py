@@ -392,11 +392,21 @@ def comm_by_strategy(rows, records, title="Bytes each rank sends per step, by co
     return fig
 
 
+def animation_html(anim) -> str:
+    """A matplotlib animation as HTML with its player, for a chapter to show with `HTML(...)`.
+    Matplotlib's player links Font Awesome 4 from a CDN for its button icons; the book's theme
+    already serves Font Awesome with the site, so the link is dropped and the page needs no
+    network."""
+    import re
+
+    return re.sub(r'<link rel="stylesheet"\s*href="https?://[^"]*font-awesome[^"]*">', "", anim.to_jshtml())
+
+
 def zero_timeline(ranks: list[dict]):
     """An animation of one ZeRO step (multigpu.traces.zero_holdings, every rank's trace of one
     stage): for each rank, the model laid end to end, coloured where the rank holds its
     parameters, gradients and optimizer state after each event. Returns a matplotlib
-    FuncAnimation (the figure is closed; show it with `HTML(anim.to_jshtml())`)."""
+    FuncAnimation (the figure is closed; show it with `HTML(animation_html(anim))`)."""
     from matplotlib.animation import FuncAnimation
 
     from multigpu.traces import held_bytes, union
