@@ -1,0 +1,203 @@
+"""The built site as a reader opens it: every page of _build/html in headless Chromium, from
+disk, with the network cut off (every request that is not a file is refused and reported).
+
+Checked on every page: no error in the browser's console, no request for the network, every
+image loaded, every formula typeset by MathJax (no raw \\( left in the text), every internal
+link and anchor resolves; and the search page finds a chapter by a word in it. A screenshot
+of each page goes to _build/screenshots/ for review.
+
+The site must be built first (`make book`); Chromium is Debian's (`apt install chromium`),
+driven by Playwright. Where either is missing the tests are skipped and say why, except in
+CI, where .ci/run installs Chromium, builds the site first and sets MULTIGPU_REQUIRE_SITE=1,
+so that a skip there is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = ROOT / "_build" / "html"
+SCREENSHOTS = ROOT / "_build" / "screenshots"
+REQUIRED = os.environ.get("MULTIGPU_REQUIRE_SITE") == "1"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def need(ok, reason: str) -> None:
+    if not ok:
+        (pytest.fail if REQUIRED else pytest.skip)(reason)
+
+
+def pages() -> list[Path]:
+    """Every page of the table of contents, as built."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]] + [c["file"] for part in toc["parts"] for c in part["chapters"]]
+    return [SITE / f"{f}.html" for f in files]
+
+
+@dataclass
+class Visit:
+    page: Path
+    console_errors: list[str] = field(default_factory=list)
+    network: list[str] = field(default_factory=list)
+    broken_images: list[str] = field(default_factory=list)
+    raw_math: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    ids: set[str] = field(default_factory=set)
+
+
+VISIT_JS = """async () => {
+  if (window.MathJax && MathJax.startup) { await MathJax.startup.promise; }
+  window.scrollTo(0, document.body.scrollHeight);
+  await Promise.all([...document.images].map(i => i.complete ? null :
+      new Promise(done => { i.onload = i.onerror = done; setTimeout(done, 5000); })));
+  const main = (document.querySelector('main') || document.body).cloneNode(true);
+  main.querySelectorAll('pre, code, script, style, textarea').forEach(e => e.remove());
+  const text = main.textContent;
+  const raw = [];
+  for (const marker of ['\\\\(', '\\\\[', '$$']) {
+    const at = text.indexOf(marker);
+    if (at >= 0) raw.push(text.slice(Math.max(0, at - 40), at + 60).replace(/\\s+/g, ' '));
+  }
+  return {
+    broken: [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src),
+    raw: raw,
+    untypeset: document.querySelectorAll('.math:not(:has(mjx-container))').length,
+    links: [...document.querySelectorAll('a[href]')].map(a => a.getAttribute('href')),
+    ids: [...document.querySelectorAll('[id]')].map(e => e.id),
+  };
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    need((SITE / "index.html").exists(), f"the site is not built ({SITE}): run `make book` first")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    need(chromium, "Chromium is not installed (Debian: apt install chromium); .ci/run installs it in CI")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        need(False, "playwright is not installed: make install (requirements.txt pins it)")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+def open_page(browser, url: str, network: list[str], console: list[str]):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: console.append(f"uncaught: {e}"))
+
+    def offline(route):
+        if route.request.url.startswith("file:"):
+            route.continue_()
+        else:
+            network.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", offline)
+    page.goto(url, wait_until="load")
+    return page
+
+
+@pytest.fixture(scope="module")
+def visits(browser) -> list[Visit]:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    found = []
+    for path in pages():
+        assert path.exists(), f"{path} was not built"
+        visit = Visit(path)
+        page = open_page(browser, path.as_uri(), visit.network, visit.console_errors)
+        page.screenshot(path=str(SCREENSHOTS / f"{path.stem}.png"))
+        seen = page.evaluate(VISIT_JS)
+        visit.broken_images = seen["broken"]
+        visit.raw_math = seen["raw"] + [f"{seen['untypeset']} formula(s) not typeset"] * bool(seen["untypeset"])
+        visit.links, visit.ids = seen["links"], set(seen["ids"])
+        page.close()
+        found.append(visit)
+    return found
+
+
+def problems(visits: list[Visit], attribute: str) -> dict[str, list]:
+    return {v.page.stem: getattr(v, attribute) for v in visits if getattr(v, attribute)}
+
+
+def test_no_console_errors(visits):
+    assert not problems(visits, "console_errors")
+
+
+def test_no_page_asks_the_network(visits):
+    assert not problems(visits, "network"), "a page needs the network to render (served offline, it must not)"
+
+
+def test_every_image_loads(visits):
+    assert not problems(visits, "broken_images")
+
+
+def test_every_formula_is_typeset(visits):
+    assert not problems(visits, "raw_math")
+
+
+def _ids_of(path: Path, visited: dict[Path, set[str]]) -> set[str]:
+    if path not in visited:
+        visited[path] = set(re.findall(r'\bid="([^"]+)"', path.read_text(errors="replace")))
+    return visited[path]
+
+
+def test_every_internal_link_and_anchor_resolves(visits):
+    visited = {v.page: v.ids for v in visits}
+    broken = []
+    for visit in visits:
+        for href in visit.links:
+            parts = urlsplit(href)
+            if parts.scheme or href.startswith(("mailto:", "javascript:")):
+                continue
+            target = (visit.page.parent / unquote(parts.path)).resolve() if parts.path else visit.page
+            if target.is_dir():
+                target = target / "index.html"
+            if not target.exists():
+                broken.append(f"{visit.page.stem}: {href} (no such file)")
+            elif (parts.fragment and target.suffix == ".html"
+                  and unquote(parts.fragment) not in _ids_of(target, visited)):
+                broken.append(f"{visit.page.stem}: {href} (no such anchor)")
+    assert not broken
+
+
+@pytest.mark.parametrize("word, chapter", [("bubble", "pp"), ("reduce-scatter", "collectives"),
+                                           ("rendezvous", "together")])
+def test_search_finds_a_chapter_by_a_word_in_it(browser, word, chapter):
+    assert word in (ROOT / "book" / f"{chapter}.md").read_text()
+    errors, network = [], []
+    page = open_page(browser, (SITE / "search.html").as_uri() + f"?q={word}", network, errors)
+    page.wait_for_selector("#search-results ul.search li", timeout=20_000)
+    hits = page.eval_on_selector_all("#search-results ul.search li a", "links => links.map(a => a.href)")
+    page.close()
+    assert any(f"/book/{chapter}.html" in hit for hit in hits), hits
+    assert not errors and not network
+
+
+def test_every_chapter_offers_its_notebook_and_a_launch_button(visits):
+    """The executed notebook to download (.ipynb, outputs included) and a Binder launch that
+    opens the chapter, built from the repository setting in _config.yml."""
+    repository = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
+    org_repo = urlsplit(repository).path.strip("/")
+    missing = []
+    for visit in visits:
+        if visit.page.stem == "glossary":  # a page, not a notebook
+            continue
+        if f"../_sources/book/{visit.page.stem}.ipynb" not in visit.links:
+            missing.append(f"{visit.page.stem}: no .ipynb download")
+        if not any(link.startswith(f"https://mybinder.org/v2/gh/{org_repo}/") and
+                   link.endswith(f"book/{visit.page.stem}.md") for link in visit.links):
+            missing.append(f"{visit.page.stem}: no Binder launch")
+    assert not missing
