@@ -161,3 +161,18 @@ def test_the_glossary_names_what_exists_and_links_every_chapter():
                 assert found is not None, f"{name} (glossary, {cells[0]}) does not exist"
     linked = set(re.findall(r"\{doc\}`([a-z_]+)`", text))
     assert linked == {c.stem for c in chapters()[1:]}, linked ^ {c.stem for c in chapters()[1:]}
+
+
+@pytest.mark.parametrize("chapter", chapters(), ids=lambda p: p.stem)
+def test_last_cell_says_where_and_with_what_the_chapter_was_executed(chapter):
+    last = chapter.read_text().rsplit("```{code-cell} ipython3\n", 1)[1]
+    assert last.startswith(":tags: [remove-input]\n") and "executed_here()" in last, chapter.stem
+
+
+def test_executed_here_names_the_machine_and_versions():
+    import platform
+
+    import torch
+
+    line = records.executed_here()
+    assert records.machine_tag() in line and torch.__version__ in line and platform.python_version() in line

@@ -103,6 +103,18 @@ def provenance(backend: str, world_size: int, device_type: str, threads_per_work
     }
 
 
+def executed_here() -> str:
+    """One line for the foot of a chapter: when, on what and with which versions it was
+    executed (the figures above it say where their records come from)."""
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    devices = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}" if cuda
+               else f"{cpu_name()}, {os.cpu_count()} cores, no GPU")
+    commit = _git_commit()
+    return (f"Executed {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC on {machine_tag()} ({devices}) "
+            f"with torch {torch.__version__} and Python {platform.python_version()}"
+            + (f", from commit {commit}." if commit else "."))
+
+
 def machine_tag(device_type: str = "auto") -> str:
     """'cpu-2core-gloo' or e.g. '8xH100-nccl': the folder records go to. It names what ran
     them: CPU runs on a GPU machine are filed under the CPU tag."""
