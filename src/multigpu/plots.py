@@ -12,9 +12,22 @@ from multigpu.memory import CATEGORIES
 from multigpu.records import caption
 
 MiB = 2**20
-COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868",
-          "activations": "#C44E52", "other": "#8C8C8C"}
-STRATEGY_COLORS = {"single": "#333333", "ddp": "#4C72B0", "ddp-scratch": "#DD8452"}
+
+# The one palette: seaborn's "deep" colours, in their order, for anything told apart by colour.
+PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
+BLUE, ORANGE, GREEN, RED, PURPLE, BROWN, PINK, GREY = PALETTE
+# and the greys of text, backgrounds and of what is not one of the things told apart
+INK = "#222222"  # dark text on a light cell
+DARK = "#333333"  # a bar that is the reference: one device, DDP's step
+MUTED = "#555555"  # footers
+FAINT = "#777777"  # a remark inside a figure
+SUM_GREY = "#BBBBBB"  # a value summed over ranks
+LIGHT = "#CCCCCC"  # what is left of a step
+PALE = "#DDDDDD"  # nothing fits
+BACKGROUND = "#EEEEEE"  # an empty lane
+
+COLORS = {"params": BLUE, "grads": ORANGE, "optimizer": GREEN, "activations": RED, "other": GREY}
+STRATEGY_COLORS = {"single": DARK, "ddp": BLUE, "ddp-scratch": ORANGE}
 
 
 def style() -> None:
@@ -22,22 +35,33 @@ def style() -> None:
                          "axes.grid": True, "grid.alpha": 0.3, "font.size": 10, "legend.frameon": False})
 
 
+def _footer(fig, text: str, y: float = -0.02, wrap: bool = False) -> None:
+    """The line under a figure that says where its numbers come from."""
+    fig.text(0.5, y, text, ha="center", va="top", fontsize=7.5, color=MUTED, wrap=wrap)
+
+
+def _stacked_bars(ax, x, series: dict, colors) -> None:
+    """One stacked bar at each x: `series` maps a legend label to one value per x, bottom
+    first; `colors`, one colour per series, in the same order."""
+    bottoms = [0.0] * len(x)
+    for (label, values), color in zip(series.items(), colors):
+        ax.bar(x, values, bottom=bottoms, label=label, color=color)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+
+
 def _figure(records, ncols=1, width=6.4, height=3.6):
     style()
     fig, axes = plt.subplots(1, ncols, figsize=(width, height), constrained_layout=True, squeeze=False)
     fig.get_layout_engine().set(h_pad=0.12)
-    fig.text(0.5, -0.02, caption(records), ha="center", va="top", fontsize=7.5, color="#555555", wrap=True)
+    _footer(fig, caption(records), wrap=True)  # a caption can be longer than the figure is wide
     return fig, list(axes[0])
 
 
 def memory_stacked(records, labels, title="Peak memory of rank 0, by category"):
     """One stacked bar per record: the categories alive at the moment of the peak."""
     fig, (ax,) = _figure(records)
-    bottoms = [0.0] * len(records)
-    for cat in CATEGORIES:
-        values = [r["peak_memory_bytes_by_rank"][0][cat] / MiB for r in records]
-        ax.bar(labels, values, bottom=bottoms, label=cat, color=COLORS[cat])
-        bottoms = [b + v for b, v in zip(bottoms, values)]
+    _stacked_bars(ax, labels, {cat: [r["peak_memory_bytes_by_rank"][0][cat] / MiB for r in records]
+                               for cat in CATEGORIES}, [COLORS[cat] for cat in CATEGORIES])
     ax.set_ylabel("MiB at the peak")
     ax.set_title(title)
     ax.legend(ncols=len(CATEGORIES), fontsize=8, loc="upper left", bbox_to_anchor=(0, -0.12))
@@ -101,10 +125,10 @@ def comm_vs_rule(records, title="Bytes each rank sends per step, measured and pr
     wire = [(r.get("loopback_bytes_per_step") or 0) / r["config"]["world_size"] / MiB for r in rows]
     width = 0.27
     pos = list(range(len(ns)))
-    ax.bar([p - width for p in pos], payload, width, label="all-reduce payload (counted)", color="#4C72B0")
-    ax.bar(pos, rule, width, label="ring rule: 2(N-1)/N x payload", color="#DD8452")
+    ax.bar([p - width for p in pos], payload, width, label="all-reduce payload (counted)", color=BLUE)
+    ax.bar(pos, rule, width, label="ring rule: 2(N-1)/N x payload", color=ORANGE)
     if any(wire):
-        ax.bar([p + width for p in pos], wire, width, label="sent over loopback / N (measured)", color="#55A868")
+        ax.bar([p + width for p in pos], wire, width, label="sent over loopback / N (measured)", color=GREEN)
     ax.set_xticks(pos, [f"N = {n}" for n in ns])
     ax.set_ylabel("MiB per step, per rank")
     ax.set_ylim(0, 1.45 * max(rule + payload + wire))
@@ -117,7 +141,7 @@ def buckets(records, title="Bucket size: all-reduce calls and step time (ddp-scr
     fig, (ax,) = _figure(records)
     rows = sorted(records, key=lambda r: r["config"]["bucket_cap_mb"])
     caps = [r["config"]["bucket_cap_mb"] for r in rows]
-    ax.plot(caps, [r["step_time_s"] * 1e3 for r in rows], "o-", color="#4C72B0")
+    ax.plot(caps, [r["step_time_s"] * 1e3 for r in rows], "o-", color=BLUE)
     for cap, r in zip(caps, rows):
         calls = r["comm_calls_per_step_by_rank"][0].get("all_reduce", 0)
         label = "1 all-reduce\n(after backward)" if calls == 1 else f"{calls} all-reduces"
@@ -152,7 +176,6 @@ def collective_grid(rows_by_rank, title="Each collective on 4 processes: what ev
     style()
     n = len(rows_by_rank)
     names = [row["collective"] for row in rows_by_rank[0]]
-    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
     def origin(value):  # rank r starts with 10(r+1) + c; anything larger is a sum
         return value // 10 - 1 if 10 <= value < 10 * (n + 1) and value % 10 < n else None
@@ -170,12 +193,12 @@ def collective_grid(rows_by_rank, title="Each collective on 4 processes: what ev
                 for c, v in enumerate(values or []):
                     src = origin(v)
                     ax.add_patch(plt.Rectangle((c + 0.05, rank + 0.1), 0.9, 0.8,
-                                               color=palette[src % len(palette)] if src is not None else "#BBBBBB",
+                                               color=PALETTE[src % len(PALETTE)] if src is not None else SUM_GREY,
                                                alpha=0.85))
                     ax.text(c + 0.5, rank + 0.5, str(v), ha="center", va="center", fontsize=7.5,
-                            color="white" if src is not None else "#222222")
+                            color="white" if src is not None else INK)
                 if values is None:
-                    ax.text(0.05, rank + 0.5, "(undefined)", va="center", fontsize=7.5, color="#777777")
+                    ax.text(0.05, rank + 0.5, "(undefined)", va="center", fontsize=7.5, color=FAINT)
             ax.set_title(f"{name}: {when}" if j == 0 else when, fontsize=9, loc="left")
     fig.suptitle(title, fontsize=10)
     _live_footer(fig, n, y=-0.01)
@@ -188,8 +211,8 @@ def _live_footer(fig, processes: int, y: float) -> None:
 
     from multigpu.records import cpu_name
 
-    fig.text(0.5, y, f"Run live while this page was built: {processes} gloo processes on {cpu_name()}, "
-             f"torch {torch.__version__}.", ha="center", va="top", fontsize=7.5, color="#555555")
+    _footer(fig, f"Run live while this page was built: {processes} gloo processes on {cpu_name()}, "
+                 f"torch {torch.__version__}.", y)
 
 
 def collective_bandwidth(records, title="All-reduce bus bandwidth by message size"):
@@ -225,8 +248,8 @@ def bytes_per_rank(records, title="Bytes each rank sends for one all-reduce"):
             (r,) = [r for r in records if r["world_size"] == n and r["algorithm"] == name]
             for rank, sent in enumerate(r["sent_bytes_by_rank"]):
                 ax.bar(k + (rank - (n - 1) / 2) * width, sent / r["size_bytes"], width * 0.9,
-                       color=["#C44E52", "#4C72B0"][rank > 0] if name == "parameter server" else "#4C72B0")
-        ax.axhline(2 * (n - 1) / n, color="#DD8452", ls="--", lw=1, label="ring rule 2(N-1)/N")
+                       color=[RED, BLUE][rank > 0] if name == "parameter server" else BLUE)
+        ax.axhline(2 * (n - 1) / n, color=ORANGE, ls="--", lw=1, label="ring rule 2(N-1)/N")
         ax.set_xticks(range(len(names)), names)
         ax.set_ylabel("bytes sent / data size")
         ax.set_title(f"N = {n} (one bar per rank; red: the server)", fontsize=9)
@@ -257,18 +280,14 @@ def dp_phases(phase_ms: dict, ddp_ms: dict, records, title="Where a step's time 
     """phase_ms[N]: dp's median milliseconds per phase (plus 'update and the rest');
     ddp_ms[N]: DDP's step time at the same N and batch."""
     fig, (ax,) = _figure(records)
-    colors = dict(zip((*DP_PHASES, "update and the rest"),
-                      ["#8C8C8C", "#C44E52", "#4C72B0", "#DA8BC3", "#937860", "#55A868", "#DD8452", "#CCCCCC"]))
-    labels, pos = [], 0
-    for n in sorted(phase_ms):
-        bottom = 0.0
-        for phase, ms in phase_ms[n].items():
-            ax.bar(pos, ms, bottom=bottom, color=colors[phase], label=phase if pos == 0 else None)
-            bottom += ms
-        ax.bar(pos + 1, ddp_ms[n], color="#333333", label="DDP step" if pos == 0 else None)
-        labels += [f"DP\nN={n}", f"DDP\nN={n}"]
-        pos += 2.5
-    ax.set_xticks([p + d for p in [i * 2.5 for i in range(len(phase_ms))] for d in (0, 1)], labels)
+    colors = dict(zip((*DP_PHASES, "update and the rest"), [GREY, RED, BLUE, PINK, BROWN, GREEN, ORANGE, LIGHT]))
+    ns = sorted(phase_ms)
+    dp_at = [2.5 * i for i in range(len(ns))]  # DP's bar at each N, DDP's beside it
+    phases = list(dict.fromkeys(phase for n in ns for phase in phase_ms[n]))
+    _stacked_bars(ax, dp_at, {phase: [phase_ms[n].get(phase, 0.0) for n in ns] for phase in phases},
+                  [colors[phase] for phase in phases])
+    ax.bar([p + 1 for p in dp_at], [ddp_ms[n] for n in ns], color=DARK, label="DDP step")
+    ax.set_xticks([p + d for p in dp_at for d in (0, 1)], [f"{who}\nN={n}" for n in ns for who in ("DP", "DDP")])
     ax.set_ylabel("ms per step")
     ax.set_title(title)
     ax.legend(fontsize=7, loc="upper left", ncol=2)
@@ -278,12 +297,9 @@ def dp_phases(phase_ms: dict, ddp_ms: dict, records, title="Where a step's time 
 def dp_memory(record, title="What each DP replica holds during a step"):
     fig, (ax,) = _figure([record])
     per = record["peak_memory_bytes_by_rank"]
-    bottoms = [0.0] * len(per)
     labels = ["primary (0)"] + [f"replica {i}" for i in range(1, len(per))]
-    for cat in CATEGORIES:
-        values = [m[cat] / MiB for m in per]
-        ax.bar(labels, values, bottom=bottoms, label=cat, color=COLORS[cat])
-        bottoms = [b + v for b, v in zip(bottoms, values)]
+    _stacked_bars(ax, labels, {cat: [m[cat] / MiB for m in per] for cat in CATEGORIES},
+                  [COLORS[cat] for cat in CATEGORIES])
     ax.set_ylabel("MiB")
     ax.set_title(title)
     ax.legend(fontsize=8)
@@ -295,7 +311,7 @@ def dp_threads(record, title="The replica threads in one step (DP from scratch)"
     fig, (ax,) = _figure([record])
     threads = record["strategy_report"]["threads_last_step"]
     t0 = min(t["start"] for phase in threads.values() for t in phase)
-    for phase, color in (("forward", "#4C72B0"), ("backward", "#55A868")):
+    for phase, color in (("forward", BLUE), ("backward", GREEN)):
         for i, t in enumerate(threads[phase]):
             start, wall = (t["start"] - t0) * 1e3, (t["end"] - t["start"]) * 1e3
             ax.barh(i, wall, left=start, color=color, alpha=0.35, label=f"{phase}: wall" if i == 0 else None)
@@ -357,11 +373,9 @@ def model_states_vs_formula(rows, records, title="Model states per rank: measure
     'predicted' total (bytes). One stacked bar per row; a black tick marks the prediction."""
     fig, (ax,) = _figure(records, width=8, height=3.8)
     labels = [r["label"] for r in rows]
-    bottoms = [0.0] * len(rows)
-    for cat in ("params", "grads", "optimizer"):
-        values = [r[cat] / MiB for r in rows]
-        ax.bar(labels, values, bottom=bottoms, color=COLORS[cat], label=f"{cat} (measured)")
-        bottoms = [b + v for b, v in zip(bottoms, values)]
+    states = ("params", "grads", "optimizer")
+    _stacked_bars(ax, labels, {f"{cat} (measured)": [r[cat] / MiB for r in rows] for cat in states},
+                  [COLORS[cat] for cat in states])
     ax.scatter(labels, [r["predicted"] / MiB for r in rows], marker="_", s=400, color="black", zorder=3,
                label="ZeRO formula")
     ax.set_ylabel("MiB per rank")
@@ -375,14 +389,9 @@ def comm_by_strategy(rows, records, title="Bytes each rank sends per step, by co
     """rows: dicts with 'label' and ring-rule bytes per kind; the dashed line is DDP's."""
     fig, (ax,) = _figure(records, width=8, height=3.8)
     kinds = sorted({k for r in rows for k in r["bytes"]})
-    colors = {"all_reduce": "#4C72B0", "reduce_scatter": "#DD8452", "all_gather": "#55A868",
-              "broadcast": "#C44E52", "reduce": "#8172B3"}
-    labels = [r["label"] for r in rows]
-    bottoms = [0.0] * len(rows)
-    for kind in kinds:
-        values = [r["bytes"].get(kind, 0) / MiB for r in rows]
-        ax.bar(labels, values, bottom=bottoms, label=kind, color=colors.get(kind, "#8C8C8C"))
-        bottoms = [b + v for b, v in zip(bottoms, values)]
+    colors = dict(zip(("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"), PALETTE))
+    _stacked_bars(ax, [r["label"] for r in rows], {kind: [r["bytes"].get(kind, 0) / MiB for r in rows]
+                                                   for kind in kinds}, [colors.get(kind, GREY) for kind in kinds])
     ddp = next(sum(r["bytes"].values()) for r in rows if r["label"].startswith("ddp"))
     ax.axhline(ddp / MiB, color="black", ls="--", lw=1, label="DDP")
     ax.set_ylabel("MiB per step (ring rule)")
@@ -423,7 +432,7 @@ def zero_timeline(ranks: list[dict]):
             ax.clear()
             held = ranks[rank]["frames"][k]
             for y, cat in enumerate(reversed(lanes)):
-                ax.broken_barh([(0, length)], (y - 0.4, 0.8), color="#EEEEEE")
+                ax.broken_barh([(0, length)], (y - 0.4, 0.8), color=BACKGROUND)
                 ax.broken_barh([(a, b - a) for a, b in union(held[cat])], (y - 0.4, 0.8), color=COLORS[cat])
             total = sum(held_bytes(ranks[rank], k).values())
             for name, start, end in first["units"]:
@@ -452,15 +461,14 @@ def zero_timeline(ranks: list[dict]):
 # -- the estimator ---------------------------------------------------------------------------
 
 ESTIMATED_FOOTER = "estimated by multigpu.estimate: ZeRO formulas and activations traced on fake tensors; nothing ran"
-ADVICE_COLORS = {"ddp": "#4C72B0", "zero1": "#8172B3", "zero2": "#55A868", "fsdp": "#DD8452",
-                 "does not fit": "#DDDDDD"}
+ADVICE_COLORS = {"ddp": BLUE, "zero1": PURPLE, "zero2": GREEN, "fsdp": ORANGE, "does not fit": PALE}
 
 
 def _estimated_figure(width=6.4, height=3.6):
     style()
     fig, ax = plt.subplots(figsize=(width, height), constrained_layout=True)
     fig.get_layout_engine().set(h_pad=0.12)
-    fig.text(0.5, -0.02, ESTIMATED_FOOTER, ha="center", va="top", fontsize=7.5, color="#555555")
+    _footer(fig, ESTIMATED_FOOTER)
     return fig, ax
 
 
@@ -468,11 +476,8 @@ def estimate_bars(per_rank: dict, memory_bytes: int | None = None, title="Estima
     """per_rank: label -> {category: bytes}; a stacked bar per label, and the device's memory."""
     fig, ax = _estimated_figure(width=max(5.0, 1.1 * len(per_rank) + 2.5))
     labels = list(per_rank)
-    bottoms = [0.0] * len(labels)
-    for cat in CATEGORIES:
-        values = [per_rank[k][cat] / 2**30 for k in labels]
-        ax.bar(labels, values, bottom=bottoms, label=cat, color=COLORS[cat])
-        bottoms = [b + v for b, v in zip(bottoms, values)]
+    _stacked_bars(ax, labels, {cat: [per_rank[k][cat] / 2**30 for k in labels] for cat in CATEGORIES},
+                  [COLORS[cat] for cat in CATEGORIES])
     if memory_bytes:
         ax.axhline(memory_bytes / 2**30, color="black", lw=1, ls="--", label="device memory")
     ax.set_ylabel("GiB per GPU")
@@ -528,7 +533,7 @@ def beside(labels: list[str], series: dict[str, list[float]], records, ylabel: s
     """Grouped bars: for each label, one bar per series (measured beside its formula or
     model), e.g. {"measured": [...], "alpha-beta model": [...]}."""
     fig, (ax,) = _figure(records)
-    palette = ["#4C72B0", "#DD8452", "#55A868", "#8C8C8C"]
+    palette = [BLUE, ORANGE, GREEN, GREY]
     width = 0.8 / len(series)
     pos = list(range(len(labels)))
     for i, (name, values) in enumerate(series.items()):
@@ -545,10 +550,10 @@ def tp_speedup_by_width(widths: list[int], measured: list[float], predicted: lis
     """Speed-up of a tensor-parallel MLP over one rank, by width: measured, and as the
     alpha-beta model of the link predicts it (half the compute plus the collectives)."""
     fig, (ax,) = _figure(records)
-    ax.plot(widths, measured, "o-", color="#4C72B0", label="measured")
-    ax.plot(widths, predicted, "s--", color="#DD8452", label="predicted: compute / 2 + alpha-beta collectives")
-    ax.axhline(2, color="#8C8C8C", lw=0.8, ls=":", label="ideal (2 ranks)")
-    ax.axhline(1, color="#C44E52", lw=0.8, ls=":", label="break-even")
+    ax.plot(widths, measured, "o-", color=BLUE, label="measured")
+    ax.plot(widths, predicted, "s--", color=ORANGE, label="predicted: compute / 2 + alpha-beta collectives")
+    ax.axhline(2, color=GREY, lw=0.8, ls=":", label="ideal (2 ranks)")
+    ax.axhline(1, color=RED, lw=0.8, ls=":", label="break-even")
     ax.set_xscale("log", base=2)
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.set_xlabel("width h of the MLP (h -> 4h -> h)")
@@ -559,7 +564,7 @@ def tp_speedup_by_width(widths: list[int], measured: list[float], predicted: lis
     return fig
 
 
-ACTION_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+ACTION_COLORS = {"F": BLUE, "B": ORANGE, "W": GREEN}
 
 
 def pipeline_timeline(events_by_rank: list[list[dict]], starts_unix: list[float], records, title: str, ax=None):
@@ -597,7 +602,7 @@ def bubble_vs_formula(rows: list[dict], formulas: dict, records, title="The bubb
     """Measured bubble fraction (1 - ideal / step) against m, one line per schedule and p,
     with the formula's curve dashed. `formulas`: label -> function (p, m) -> fraction."""
     fig, axes = _figure(records, ncols=2, width=8.4, height=3.6)
-    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#8C8C8C"]
+    palette = [BLUE, ORANGE, GREEN, RED, PURPLE, GREY]
     for ax, p in zip(axes, (2, 4)):
         mine = [r for r in rows if r["p"] == p]
         for i, schedule in enumerate(dict.fromkeys(r["schedule"] for r in mine)):
@@ -630,12 +635,11 @@ def rank_grid(sizes: dict[str, int], title="The rank grid: pp x dp x tp"):
     pp, dp, tp = (sizes[d] for d in GRID_DIMS)
     fig, axes = plt.subplots(1, pp, figsize=(2.2 * pp * max(1, tp / 2) + 0.6, 0.9 * dp + 1.2),
                              constrained_layout=True, squeeze=False)
-    stage_colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
     for rank in range(pp * dp * tp):
         grid = RankGrid(sizes, rank)
         s, d, t = (grid.coord(dim) for dim in GRID_DIMS)
         ax = axes[0][s]
-        ax.add_patch(Rectangle((t, dp - 1 - d), 0.92, 0.88, color=stage_colors[s % len(stage_colors)], alpha=0.85))
+        ax.add_patch(Rectangle((t, dp - 1 - d), 0.92, 0.88, color=PALETTE[s % len(PALETTE)], alpha=0.85))
         ax.text(t + 0.46, dp - 1 - d + 0.44, f"rank {rank}\n(dp {d}, tp {t})", ha="center", va="center",
                 color="white", fontsize=8)
     for s, ax in enumerate(axes[0]):
