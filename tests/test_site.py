@@ -68,6 +68,8 @@ VISIT_JS = """async () => {
     const at = text.indexOf(marker);
     if (at >= 0) raw.push(text.slice(Math.max(0, at - 40), at + 60).replace(/\\s+/g, ' '));
   }
+  const dollars = text.match(/\\$[^$\\s][^$\\n]{0,80}\\$/);  // $x$ left as text (in a glued string, say)
+  if (dollars) raw.push(dollars[0]);
   return {
     broken: [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src),
     raw: raw,
