@@ -203,3 +203,95 @@ def test_every_chapter_offers_its_notebook_and_a_launch_button(visits):
                    link.endswith(f"book/{visit.page.stem}.md") for link in visit.links):
             missing.append(f"{visit.page.stem}: no Binder launch")
     assert not missing
+
+
+# -- the calculator of "Choosing a strategy": the estimator's answers, in the page ------------
+
+
+@pytest.fixture(scope="module")
+def calculator_page(browser):
+    errors, network = [], []
+    page = open_page(browser, (SITE / "book" / "choosing.html").as_uri(), network, errors)
+    page.wait_for_selector("#multigpu-calculator table.mgc-table td[data-category]", timeout=20_000)
+    yield page
+    page.close()
+    assert not errors and not network
+
+
+def test_the_calculator_grid_is_the_packages_current_one(calculator_page):
+    from multigpu.calculator import source_hash
+
+    made = calculator_page.evaluate("window.multigpuCalculator.grid.made_by")
+    assert made["source"] == source_hash(), "the site's calculator grid is older than src/: run make book again"
+
+
+def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path):
+    """Sampled settings (seeded) from every strategy: the page's bytes per category, phase,
+    pipeline rank and largest batch against `estimate` and `largest_batch` called here; a
+    setting the estimator refuses shows the estimator's own reason."""
+    import random
+
+    from multigpu import calculator
+    from multigpu.config import ConfigError
+    from multigpu.estimate import estimate, largest_batch
+
+    grid = calculator_page.evaluate("""() => { const g = window.multigpuCalculator.grid;
+        return Object.fromEntries(Object.entries(g.entries).map(([k, e]) => [k, e.error || [e.dp, e.m]])); }""")
+    models = calculator.models(tmp_path)
+    rng = random.Random(13)
+    by_strategy: dict[str, list[str]] = {}
+    for key in grid:
+        by_strategy.setdefault(key.split("|")[1], []).append(key)
+    keys = [k for s in calculator.STRATEGIES for k in rng.sample(sorted(by_strategy[s]), 4)]
+    wrong = []
+    for key in keys:
+        model, strategy, gpus, tp, dtype, checkpointing = key.split("|")
+        settings = {"model": model, "strategy": strategy, "gpus": int(gpus), "tp": int(tp), "dtype": dtype,
+                    "checkpointing": checkpointing == "1", "optimizer": rng.choice(calculator.OPTIMIZERS)}
+        setup = calculator.setup_of(models[model], strategy, int(gpus), int(tp), dtype, checkpointing == "1",
+                                    settings["optimizer"])
+        if isinstance(grid[key], str):
+            with pytest.raises(ConfigError) as refused:
+                estimate(setup)
+            assert grid[key] == str(refused.value).replace(setup.model, model)
+            continue
+        dp, m = grid[key]
+        settings["global_batch"] = rng.choice([1, 2, 5, 16]) * dp * m
+        memory = rng.choice([16, 32, 80, 141]) * 2**30
+        page = calculator_page.evaluate("([s, mem]) => [window.multigpuCalculator.answer(s), "
+                                        "window.multigpuCalculator.largest(s, mem)]", [settings, memory])
+        ours, most = estimate(setup, settings["global_batch"]), largest_batch(setup, memory)
+        off = {c: page[0]["per_rank_bytes"][c] - ours.per_rank_bytes[c] for c in ours.per_rank_bytes
+               if abs(page[0]["per_rank_bytes"][c] - ours.per_rank_bytes[c]) > 2}  # float sums in another order
+        if off or page[0]["phase"] != ours.phase or page[0]["pipeline_rank"] != ours.pipeline_rank or \
+                (most.global_batch if most else None) != (page[1]["global_batch"] if page[1] else None):
+            wrong.append((key, settings, off, page[0]["phase"], ours.phase, most and most.global_batch,
+                          page[1] and page[1]["global_batch"]))
+    assert not wrong
+    assert len(keys) == 4 * len(calculator.STRATEGIES)
+
+
+def test_the_calculator_responds_to_input(calculator_page):
+    """A reader's change of model, strategy, batch and memory redraws the numbers."""
+    from multigpu.estimate import Setup, estimate
+
+    page = calculator_page
+
+    def shown():
+        return {c: int(page.get_attribute(f'#multigpu-calculator td[data-category="{c}"]', "data-bytes"))
+                for c in ("params", "activations", "total")}
+
+    page.select_option('#multigpu-calculator select[name="model"]', "gpt2")
+    page.select_option('#multigpu-calculator select[name="strategy"]', "ddp")
+    page.select_option('#multigpu-calculator select[name="gpus"]', "2")
+    page.fill('#multigpu-calculator input[name="global_batch"]', "8")
+    small = shown()
+    expected = estimate(Setup("gpt2", "ddp", 2, seq_len=256), 8).per_rank_bytes
+    assert small == {c: expected[c] for c in small}
+    page.fill('#multigpu-calculator input[name="global_batch"]', "32")
+    assert shown()["activations"] > small["activations"] and shown()["params"] == small["params"]
+    page.fill('#multigpu-calculator input[name="memory"]', "16")
+    at_16 = int(page.get_attribute("#multigpu-calculator", "data-largest"))
+    page.fill('#multigpu-calculator input[name="memory"]', "80")
+    assert int(page.get_attribute("#multigpu-calculator", "data-largest")) > at_16
+    assert "falls at" in page.inner_text("#multigpu-calculator .mgc-said")

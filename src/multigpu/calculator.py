@@ -1,0 +1,171 @@
+"""The memory calculator of the static site: the estimator's answers, precomputed.
+
+A reader of the HTML has no kernel, so the page cannot call `estimate`. It does not need to:
+for one setup (model, strategy, GPUs, precision, checkpointing) every phase of a step that
+`estimate._phases` weighs holds, per category, an amount that is a straight line in the
+per-rank batch b, `const + slope * b` (parameters, gradients and optimizer state are
+constant; saved activations and the loss's tensors grow with b). So the grid stores, for
+every setup and every pipeline rank, each phase's lines, checked against the estimator at
+other batches; the page (book/_static/calculator.js) evaluates them at the reader's batch
+exactly as `estimate` picks its peak (the largest phase of the largest rank, each category
+truncated to whole bytes) and searches the largest batch as `estimate.largest_batch` does.
+
+The optimizer changes one category only, the same in every phase (`model_states`), so it is
+stored apart, once per rank. The grid is written at build time by book/_ext/calculator.py
+into the site's _static/; tests/test_site.py asks the page for sampled setups and batches and
+compares with `estimate` and `largest_batch`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+import multigpu
+from multigpu.config import ConfigError
+from multigpu.estimate import (
+    CATEGORIES, GPUS, PIPELINES, Setup, _cuda_overheads, _phases, degrees, estimate, model_shape,
+    model_states, rank_shares)
+from multigpu.records import CHECKOUT, _git_commit
+
+SEQ_LEN = 256
+# GPT-3's widths and depths (Brown et al. 2020, table 2.1) beside the presets, as config files
+GPT3_SHAPES = {"gpt-1.3b": (2048, 24, 32), "gpt-6.7b": (4096, 32, 32), "gpt-13b": (5120, 40, 40)}
+PRESET_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "t5-large", "t5-3b")
+STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "pp-gpipe", "pp-1f1b")
+GPU_COUNTS = (1, 2, 4, 8, 16)
+TP_DEGREES = (1, 2, 4, 8)  # with fsdp (2D) and the pipelines; strategy tp takes every GPU
+DTYPES = ("fp32", "bf16-mixed", "bf16-master")
+OPTIMIZERS = ("sgd", "sgd-momentum", "adamw")  # adam holds what adamw holds
+MICROBATCHES_PER_STAGE = 2  # a pipeline runs 2 x its stages micro-batches per step
+PROBES = (3, 7, 1000)  # batches at which each line is checked against the estimator
+
+
+class NotLinear(AssertionError):
+    """The estimator no longer grows linearly in the batch within a phase: the grid would lie."""
+
+
+def gpt3_config(folder: Path, name: str, d_model: int, layers: int, heads: int) -> str:
+    """A GPT-2 shaped model of GPT-3's size, as the Hugging Face config file the estimator reads."""
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50304, "n_layer": layers, "n_head": heads,
+                                "n_embd": d_model, "n_positions": 2048}))
+    return str(path)
+
+
+def models(folder: Path) -> dict[str, str]:
+    """label -> what the estimator is given (a preset's name or a config file's path)."""
+    found = {name: name for name in PRESET_MODELS}
+    found.update({name: gpt3_config(folder, name, *shape) for name, shape in GPT3_SHAPES.items()})
+    return found
+
+
+def setup_of(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool,
+             optimizer: str = "adamw") -> Setup:
+    pipeline = strategy in PIPELINES
+    return Setup(model, strategy, gpus, seq_len=SEQ_LEN, dtype=dtype, optimizer=optimizer,
+                 activation_checkpointing=checkpointing, tp=tp if strategy != "tp" else 1,
+                 grad_accum_steps=MICROBATCHES_PER_STAGE * max(1, gpus // tp) if pipeline else 1)
+
+
+def _lines(setup: Setup, share, states: dict) -> list[tuple[str, list[float]]]:
+    """[(phase, [const, slope] per category but the optimizer's, flattened)] for one rank."""
+    one, two = _phases(setup, share, states, 1), _phases(setup, share, states, 2)
+    kept = [c for c in CATEGORIES if c != "optimizer"]
+    found = []
+    for phase in one:
+        pairs = []
+        for category in kept:
+            slope = two[phase][category] - one[phase][category]
+            pairs += [one[phase][category] - slope, slope]
+        found.append((phase, pairs))
+    for b in PROBES:  # each phase, each category, a line: checked far from where it was drawn
+        at = _phases(setup, share, states, b)
+        for phase, pairs in found:
+            for i, category in enumerate(kept):
+                line, true = pairs[2 * i] + pairs[2 * i + 1] * b, at[phase][category]
+                if abs(line - true) > 1 + 1e-9 * abs(true):
+                    raise NotLinear(f"{setup}: {phase}/{category} at batch {b} is {true}, the line says {line}")
+    return found
+
+
+def entry(setup: Setup, label: str) -> dict:
+    """One setup's lines, or the estimator's refusal (naming the model by its label)."""
+    try:
+        estimate(setup)  # the estimator's own checks: a setup it refuses, the page refuses with its words
+        shares = rank_shares(setup)
+    except ConfigError as refused:
+        return {"error": str(refused).replace(setup.model, label)}
+    d = degrees(setup)
+    ranks, optimizer = [], {name: [] for name in OPTIMIZERS}
+    for share in shares:
+        states = model_states(setup, share)
+        phases = _lines(setup, share, states)
+        ranks.append({"rank": share.pipeline_rank, "phases": phases})
+        for name in OPTIMIZERS:
+            other = model_states(replace(setup, optimizer=name), share)
+            if {k: v for k, v in other.items() if k != "optimizer"} != \
+                    {k: v for k, v in states.items() if k != "optimizer"}:
+                raise NotLinear(f"{setup}: optimizer {name} changes more than the optimizer's state")
+            optimizer[name].append(other["optimizer"])
+    return {"dp": d["dp"], "pp": d["pp"], "tp": d["tp"], "m": setup.grad_accum_steps,
+            "overhead": _cuda_overheads(setup), "ranks": ranks, "optimizer": optimizer}
+
+
+def key(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool) -> str:
+    return f"{model}|{strategy}|{gpus}|{tp}|{dtype}|{int(checkpointing)}"
+
+
+def source_hash() -> str:
+    """What the grid depends on: the package's source files."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(multigpu.__file__).parent.rglob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def grid() -> dict:
+    from multigpu.plots import COLORS  # the figures' colours for the categories
+
+    with tempfile.TemporaryDirectory() as folder:
+        named = models(Path(folder))
+        entries = {}
+        for label, model in named.items():
+            gpt = model_shape(model).family != "t5"
+            for strategy in STRATEGIES:
+                tps = TP_DEGREES if gpt and (strategy == "fsdp" or strategy in PIPELINES) else (1,)
+                for gpus in (1,) if strategy == "single" else GPU_COUNTS:
+                    for tp in tps:
+                        for dtype in DTYPES:
+                            for checkpointing in (False, True):
+                                setup = setup_of(model, strategy, gpus, tp, dtype, checkpointing)
+                                entries[key(label, strategy, gpus, tp, dtype, checkpointing)] = entry(setup, label)
+        parameters = {label: model_shape(model).parameters for label, model in named.items()}
+    return {
+        "made_by": {"package": multigpu.__version__, "commit": _git_commit() if CHECKOUT else None,
+                    "source": source_hash(), "torch": torch.__version__},
+        "seq_len": SEQ_LEN, "microbatches_per_stage": MICROBATCHES_PER_STAGE,
+        "categories": list(CATEGORIES), "colors": dict(COLORS), "models": parameters, "strategies": list(STRATEGIES),
+        "gpus": list(GPU_COUNTS), "tp": list(TP_DEGREES), "dtypes": list(DTYPES), "optimizers": list(OPTIMIZERS),
+        "memory": {name: size for name, size in GPUS.items()},
+        "entries": entries,
+    }
+
+
+def write(path: Path) -> Path:
+    """The grid as a script that sets `window.MULTIGPU_GRID`; rewritten only when the package's
+    source changed since it was written."""
+    path = Path(path)
+    stamp = f"// multigpu calculator grid, source {source_hash()}\n"
+    if path.exists() and path.read_text().startswith(stamp):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(grid(), separators=(",", ":"))
+    path.write_text(stamp + f"window.MULTIGPU_GRID = {text};\n")
+    return path
+
