@@ -29,8 +29,18 @@ import torch
 import multigpu
 from multigpu.config import ConfigError
 from multigpu.estimate import (
-    CATEGORIES, GPUS, PIPELINES, Setup, _cuda_overheads, _phases, degrees, estimate, model_shape,
-    model_states, rank_shares)
+    CATEGORIES,
+    GPUS,
+    PIPELINES,
+    Setup,
+    _cuda_overheads,
+    _phases,
+    degrees,
+    estimate,
+    model_shape,
+    model_states,
+    rank_shares,
+)
 from multigpu.records import CHECKOUT, _git_commit
 
 SEQ_LEN = 256

@@ -303,11 +303,7 @@ def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], thre
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([_SRC, *filter(None, [os.environ.get("PYTHONPATH")])]))
 
-    progress_bar = None
-    if _show_progress(progress):
-        from tqdm.auto import tqdm
-
-        progress_bar = tqdm(total=bar[0], desc=bar[1], unit="step", leave=False)
+    view = _progress_view(bar) if _show_progress(progress) else None
     tail: deque[str] = deque(maxlen=200)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -330,10 +326,8 @@ def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], thre
                 break
             line = line.rstrip("\n")
             if line.startswith(PROGRESS_MARK):
-                if progress_bar is not None:
-                    _, done, _total, *value = line.split()
-                    progress_bar.n = int(done)
-                    progress_bar.set_postfix(loss=float(value[0]) if value else None, refresh=True)
+                if view is not None:
+                    view.update(*line.split()[1:])
                 continue
             tail.append(line)
             if verbose:
@@ -343,8 +337,54 @@ def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], thre
         _stop(proc)
         raise
     finally:
-        if progress_bar is not None:
-            progress_bar.close()
+        if view is not None:
+            view.close()
+
+
+class _Bar:
+    """Progress as a bar (tqdm: a terminal, or a notebook's widget) with the loss beside it."""
+
+    def __init__(self, bar: tuple[int, str]):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=bar[0], desc=bar[1], unit="step", leave=False)
+
+    def update(self, done: str, total: str | None = None, loss: str | None = None, *_more: str) -> None:
+        self.bar.n = int(done)
+        self.bar.set_postfix(loss=float(loss) if loss is not None else None, refresh=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _Live:
+    """A training run in a notebook that draws inline: plots.LiveRun, fed by rank 0's lines."""
+
+    def __init__(self, bar: tuple[int, str]):
+        from multigpu.plots import LiveRun
+
+        self.figure = LiveRun(*bar)
+
+    def update(self, done: str, total: str, loss: str, step_s: str = "nan", peak: str = "-1", *_more: str) -> None:
+        self.figure.update(int(done), float(loss), float(step_s), float(peak))
+
+    def close(self) -> None:
+        self.figure.close()
+
+
+def _progress_view(bar: tuple[int, str]):
+    """A live figure for training steps in a notebook that draws figures in the cell; a bar
+    otherwise (a terminal, or a run without steps: spmd's functions)."""
+    return _Live(bar) if bar[0] > 0 and _draws_inline() else _Bar(bar)
+
+
+def _draws_inline() -> bool:
+    """A notebook kernel whose figures appear in the cell (matplotlib's inline backend)."""
+    if "ipykernel" not in sys.modules:
+        return False
+    import matplotlib
+
+    return "inline" in matplotlib.get_backend()
 
 
 def _stop(proc: subprocess.Popen) -> None:

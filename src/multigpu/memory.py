@@ -155,3 +155,20 @@ def zero_model_states(parameters: int, world_size: int, stage: int, optimizer: s
                  "optimizer": _OPTIMIZER_BYTES[optimizer] + (4 if low else 0)}
     sharded = {"optimizer": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
     return {k: parameters * b / (world_size if sharded[k] else 1) for k, b in per_param.items()}
+
+
+def process_peak_bytes(device: torch.device | None = None) -> int | None:
+    """What the machine says this process has held at most so far: on a GPU the caching
+    allocator's peak (`torch.cuda.max_memory_allocated`), on a CPU the resident set's high-water
+    mark (VmHWM in /proc/self/status; None where there is no /proc). Not the tracker's count:
+    an independent reading, allocator caching and temporaries included."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -6,6 +6,8 @@ Figure whose footer names the machine, backend, devices and date that produced t
 
 from __future__ import annotations
 
+import re
+
 import matplotlib.pyplot as plt
 
 from multigpu.memory import CATEGORIES
@@ -406,8 +408,6 @@ def animation_html(anim) -> str:
     Matplotlib's player links Font Awesome 4 from a CDN for its button icons; the book's theme
     already serves Font Awesome with the site, so the link is dropped and the page needs no
     network."""
-    import re
-
     return re.sub(r'<link rel="stylesheet"\s*href="https?://[^"]*font-awesome[^"]*">', "", anim.to_jshtml())
 
 
@@ -654,3 +654,193 @@ def rank_grid(sizes: dict[str, int], title="The rank grid: pp x dp x tp"):
     fig.suptitle(f"{title} = {pp} x {dp} x {tp}\na row is a TP group, a column a DP group, "
                  "the same cell across the panels a pipeline", fontsize=9)
     return fig
+
+
+# -- the exact values under every figure shown in a chapter ---------------------------------
+# A picture rounds: a reader of the site who wants a number off a bar or a line opens the
+# table under the figure. The values are read back from what was drawn (bars, lines and
+# points, labelled as in the legend, at the x the axis names), so every figure has one,
+# whichever function drew it.
+
+_TEX = {r"\Psi": "Ψ", r"\times": "×", r"\alpha": "α", r"\beta": "β", r"\approx": "≈", r"\cdot": "·"}
+
+
+def _plain(text: str) -> str:
+    """An axis label without matplotlib's $...$ mathtext (the page would show it as raw TeX)."""
+    for tex, char in _TEX.items():
+        text = text.replace(tex, char)
+    return re.sub(r"[${}\\]", "", text).strip()
+
+
+def _number(value) -> str:
+    value = float(value)
+    return f"{value:,.0f}" if value == int(value) and abs(value) < 1e15 else f"{value:,.6g}"
+
+
+def _at(ax, axis: str, position: float) -> str:
+    """A bar's or point's position as the axis names it: its label on an axis of named ticks
+    (categories, or labels set by hand), else the number."""
+    from matplotlib.category import StrCategoryFormatter
+    from matplotlib.ticker import FixedFormatter
+
+    named = isinstance(getattr(ax, f"{axis}axis").get_major_formatter(), (FixedFormatter, StrCategoryFormatter))
+    if named:
+        ticks = getattr(ax, f"get_{axis}ticks")()
+        labels = [t.get_text() for t in getattr(ax, f"get_{axis}ticklabels")()]
+        for tick, label in zip(ticks, labels):
+            if label and abs(tick - position) < 1e-9:
+                return _plain(label)
+    return _number(position)
+
+
+def figure_values(fig) -> list[tuple[str, list[str], list[list[str]]]]:
+    """[(axes title, header, rows)]: per axes, every bar, labelled line and labelled point set
+    as rows of (series, position, value)."""
+    from matplotlib.collections import PathCollection
+    from matplotlib.container import BarContainer
+
+    found = []
+    for ax in fig.axes:
+        rows = []
+        horizontal = False
+        for container in ax.containers:
+            if not isinstance(container, BarContainer):
+                continue
+            horizontal = getattr(container, "orientation", "vertical") == "horizontal"
+            for patch in container.patches:
+                if horizontal:
+                    at, value = _at(ax, "y", patch.get_y() + patch.get_height() / 2), patch.get_width()
+                else:
+                    at, value = _at(ax, "x", patch.get_x() + patch.get_width() / 2), patch.get_height()
+                rows.append([_plain(container.get_label() or ""), at, _number(value)])
+        for line in ax.get_lines():
+            label = line.get_label()
+            if label.startswith("_"):
+                continue
+            xs, ys = line.get_xdata(), line.get_ydata()
+            if line.get_transform() != ax.transData and len(set(map(float, ys))) == 1:
+                rows.append([_plain(label), "(a level)", _number(ys[0])])  # axhline
+                continue
+            rows += [[_plain(label), _at(ax, "x", x), _number(y)] for x, y in zip(xs, ys)]
+        for points in ax.collections:
+            label = points.get_label()
+            if isinstance(points, PathCollection) and not label.startswith("_"):
+                rows += [[_plain(label), _at(ax, "x", x), _number(y)] for x, y in points.get_offsets()]
+        if rows:
+            where = _plain((ax.get_ylabel() if horizontal else ax.get_xlabel()) or "at")
+            value = _plain((ax.get_xlabel() if horizontal else ax.get_ylabel()) or "value")
+            found.append((_plain(ax.get_title()), ["series", where, value], rows))
+    return found
+
+
+def _wide(header: list[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    """(series, position, value) rows as one row per position and a column per series, where
+    no series has two values at one position; else as they are."""
+    cells = {(series, at): value for series, at, value in rows}
+    if len(cells) < len(rows):
+        return header, rows
+    series = list(dict.fromkeys(r[0] for r in rows))
+    positions = list(dict.fromkeys(r[1] for r in rows))
+    return ([header[1], *(s or header[2] for s in series)],
+            [[at, *(cells.get((s, at), "") for s in series)] for at in positions])
+
+
+def figure_values_html(fig) -> str:
+    """The figure's values as tables in a closed <details>, or '' if it draws none."""
+    from html import escape
+
+    tables = figure_values(fig)
+    if not tables:
+        return ""
+    parts = ['<details class="figure-values"><summary>The values in this figure</summary>']
+    for title, header, rows in tables:
+        unit = header[2]
+        header, rows = _wide(header, rows)
+        caption = ": ".join(filter(None, [title, f"values in {unit}" if unit != "value" else ""]))
+        parts.append("<table>" + (f"<caption>{escape(caption)}</caption>" if caption else ""))
+        parts.append("<tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows]
+        parts.append("</table>")
+    return "".join(parts) + "</details>"
+
+
+def _show_with_values() -> None:
+    """Run after each notebook cell, before the inline backend shows the cell's figures: shows
+    each, then its values, and closes it (so the backend shows it once, as it would have)."""
+    from IPython.display import HTML, display
+
+    for number in plt.get_fignums():
+        fig = plt.figure(number)
+        display(fig)
+        html = figure_values_html(fig)
+        if html:
+            display(HTML(html))
+        plt.close(fig)
+
+
+def _in_notebooks() -> None:
+    """In a notebook kernel drawing inline (a chapter), every figure comes with its values."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None or "inline" not in plt.get_backend():
+        return
+    callbacks = shell.events.callbacks["post_execute"]
+    if _show_with_values not in callbacks:
+        callbacks.insert(0, _show_with_values)
+
+
+_in_notebooks()
+
+
+# -- a run drawn as it goes, in a notebook ------------------------------------------------------
+
+
+class LiveRun:
+    """A run started from a notebook: its loss, step time and rank 0's peak memory so far,
+    drawn as each step arrives (at most twice a second), left in the cell when it ends."""
+
+    def __init__(self, steps: int, title: str, redraw_s: float = 0.5):
+        from IPython.display import display
+
+        style()
+        self.steps, self.title, self.redraw_s = steps, title, redraw_s
+        self.rows: list[tuple[int, float, float, float | None]] = []
+        self.fig, self.axes = plt.subplots(1, 3, figsize=(9, 2.4), constrained_layout=True)
+        self.drawn_at = 0.0
+        self._draw()
+        self.handle = display(self.fig, display_id=True)
+
+    def update(self, done: int, loss: float, step_s: float, peak_bytes: float | None) -> None:
+        import time
+
+        self.rows.append((done, loss, step_s * 1e3, None if peak_bytes is None or peak_bytes < 0
+                          else peak_bytes / 2**30))
+        if time.monotonic() - self.drawn_at >= self.redraw_s or done == self.steps:
+            self._draw()
+            self.handle.update(self.fig)
+
+    def _draw(self) -> None:
+        import time
+
+        self.drawn_at = time.monotonic()
+        steps = [r[0] for r in self.rows]
+        for ax, i, label in zip(self.axes, (1, 2, 3), ("loss (rank 0's samples)", "step time (ms)", "peak so far (GiB)")):
+            ax.clear()
+            points = [(s, r[i]) for s, r in zip(steps, self.rows) if r[i] is not None]
+            if points:
+                ax.plot(*zip(*points), color=PALETTE[i - 1], marker="." if len(points) < 30 else None)
+            ax.set_xlim(0.5, max(self.steps, 1) + 0.5)
+            ax.set_xlabel("step")
+            ax.set_title(label, fontsize=9)
+        done = steps[-1] if steps else 0
+        self.fig.suptitle(f"{self.title}: step {done} of {self.steps} (memory: rank 0's process, as the "
+                          "machine counts it)", fontsize=9)
+
+    def close(self) -> None:
+        """The last state stays in the cell; the figure is closed so it is not shown twice."""
+        self._draw()
+        self.handle.update(self.fig)
+        plt.close(self.fig)

@@ -26,11 +26,13 @@ from multigpu import strategies
 from multigpu.comm import CommCounter, loopback_tx_bytes
 from multigpu.config import RunConfig, parse_fault
 from multigpu.data import TokenDataset, batches, make_loader
-from multigpu.memory import CATEGORIES, PeakMemoryTracker, empty_breakdown, model_state_bytes
+from multigpu.memory import CATEGORIES, PeakMemoryTracker, empty_breakdown, model_state_bytes, process_peak_bytes
 from multigpu.models import build_model, default_seq_len, vocab_size
 from multigpu.runtime import RankGrid
 
-PROGRESS_MARK = "@@multigpu-progress"  # rank 0 prints these lines; the launcher draws a bar
+# rank 0 prints one line per step: the mark, steps done, steps, loss, step time (s), its process's
+# peak memory so far (bytes; -1 unknown); the launcher draws a bar, or in a notebook a live figure
+PROGRESS_MARK = "@@multigpu-progress"
 
 
 def _maybe_fail(cfg: RunConfig, rank: int, step: int) -> None:
@@ -121,7 +123,9 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
                 loopback_bytes = loopback_tx_bytes() - wire_before
         losses.append(step_loss)
         if rt.is_main:
-            print(f"{PROGRESS_MARK} {step + 1} {cfg.steps} {step_loss:.6f}", flush=True)
+            peak = process_peak_bytes(rt.device)
+            print(f"{PROGRESS_MARK} {step + 1} {cfg.steps} {step_loss:.6f} {step_times_s[-1]:.6f} {peak or -1}",
+                  flush=True)
 
     model_states = model_state_bytes(par.module, par.optimizer)  # what this rank holds between steps
     not_measured = dict.fromkeys([*CATEGORIES, "total"])
