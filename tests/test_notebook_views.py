@@ -32,12 +32,25 @@ def test_figure_values_reads_back_bars_lines_and_levels():
 
     fig, ax = plt.subplots()
     ax.plot([1, 2, 4], [0.5, 0.25, 0.125], label="$2\\Psi$ measured")
-    ax.plot([1, 2], [9, 9])  # no label: not a series of the figure
+    ax.plot([1, 2], [9, 9])  # not in the legend, but the axes' data: a column named by the axis
+    ax.axhline(3)  # a level outside the legend: a decoration
     ax.set_xlabel("processes")
+    ax.set_ylabel("MiB")
     [(_, header, rows)] = plots.figure_values(fig)
-    assert header == ["series", "processes", "value"]
-    assert rows == [["2Ψ measured", "1", "0.5"], ["2Ψ measured", "2", "0.25"], ["2Ψ measured", "4", "0.125"]]
-    assert "$" not in plots.figure_values_html(fig)  # no raw TeX for the page
+    assert header == ["series", "processes", "MiB"]
+    assert rows == [["2Ψ measured", "1", "0.5"], ["2Ψ measured", "2", "0.25"], ["2Ψ measured", "4", "0.125"],
+                    ["", "1", "9"], ["", "2", "9"]]
+    html = plots.figure_values_html(fig)
+    assert "<th>processes</th><th>2Ψ measured</th><th>MiB</th>" in html and "$" not in html  # no raw TeX
+    plt.close(fig)
+
+    fig, ax = plt.subplots()  # grouped bars beside their named tick
+    ax.bar([-0.2, 0.8], [1, 2], width=0.4, label="measured")
+    ax.bar([0.2, 1.2], [3, 4], width=0.4, label="rule")
+    ax.set_xticks([0, 1], ["all-reduce", "all-gather"])
+    [(_, _, rows)] = plots.figure_values(fig)
+    assert rows == [["measured", "all-reduce", "1"], ["measured", "all-gather", "2"], ["rule", "all-reduce", "3"],
+                    ["rule", "all-gather", "4"]]
     plt.close(fig)
     fig, _ = plt.subplots()
     assert plots.figure_values_html(fig) == ""  # nothing drawn, no table

@@ -188,6 +188,25 @@ def test_search_finds_a_chapter_by_a_word_in_it(browser, word, chapter):
     assert not errors and not network
 
 
+def test_the_figures_of_every_chapter_come_with_their_values(browser):
+    """Under a figure, a closed table of the numbers it draws (plots.figure_values); opened by
+    a click, it shows them. Diagrams that draw no values (the rank grid, the collectives' grid)
+    have none, so the check is per chapter, on its figures of records."""
+    missing = []
+    for path in pages():
+        errors, network = [], []
+        page = open_page(browser, path.as_uri(), network, errors)
+        images = page.locator("div.cell_output img").count()
+        tables = page.locator("details.figure-values")
+        if images and not tables.count():
+            missing.append(path.stem)
+        elif tables.count():
+            tables.first.locator("summary").click()
+            assert tables.first.locator("table td").first.is_visible(), path.stem
+        page.close()
+    assert not missing, f"chapters with figures and no table of their values: {missing}"
+
+
 def test_every_chapter_offers_its_notebook_and_a_launch_button(visits):
     """The executed notebook to download (.ipynb, outputs included) and a Binder launch that
     opens the chapter, built from the repository setting in _config.yml."""

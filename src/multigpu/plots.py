@@ -681,15 +681,17 @@ def _at(ax, axis: str, position: float) -> str:
     """A bar's or point's position as the axis names it: its label on an axis of named ticks
     (categories, or labels set by hand), else the number."""
     from matplotlib.category import StrCategoryFormatter
-    from matplotlib.ticker import FixedFormatter
+    from matplotlib.ticker import FixedFormatter, FuncFormatter
 
-    named = isinstance(getattr(ax, f"{axis}axis").get_major_formatter(), (FixedFormatter, StrCategoryFormatter))
-    if named:
-        ticks = getattr(ax, f"get_{axis}ticks")()
+    # categories, or labels set by hand (set_xticks(ticks, labels) installs a FuncFormatter)
+    formatter = getattr(ax, f"{axis}axis").get_major_formatter()
+    if isinstance(formatter, (FixedFormatter, FuncFormatter, StrCategoryFormatter)):  # the nearest tick's: grouped bars sit beside their tick
+        ticks = list(getattr(ax, f"get_{axis}ticks")())
         labels = [t.get_text() for t in getattr(ax, f"get_{axis}ticklabels")()]
-        for tick, label in zip(ticks, labels):
-            if label and abs(tick - position) < 1e-9:
-                return _plain(label)
+        gap = min((b - a for a, b in zip(ticks, ticks[1:])), default=1.0)
+        tick, label = min(zip(ticks, labels), key=lambda t: abs(t[0] - position), default=(None, ""))
+        if label and abs(tick - position) < gap / 2:
+            return _plain(label)
     return _number(position)
 
 
@@ -714,11 +716,13 @@ def figure_values(fig) -> list[tuple[str, list[str], list[list[str]]]]:
                     at, value = _at(ax, "x", patch.get_x() + patch.get_width() / 2), patch.get_height()
                 rows.append([_plain(container.get_label() or ""), at, _number(value)])
         for line in ax.get_lines():
-            label = line.get_label()
-            if label.startswith("_"):
-                continue
-            xs, ys = line.get_xdata(), line.get_ydata()
-            if line.get_transform() != ax.transData and len(set(map(float, ys))) == 1:
+            label, xs, ys = line.get_label(), line.get_xdata(), line.get_ydata()
+            data = line.get_transform() == ax.transData
+            if label.startswith("_"):  # not in the legend: kept where it is the axes' data line
+                if not data or len(xs) < 2:
+                    continue
+                label = ""
+            if not data and len(set(map(float, ys))) == 1:
                 rows.append([_plain(label), "(a level)", _number(ys[0])])  # axhline
                 continue
             rows += [[_plain(label), _at(ax, "x", x), _number(y)] for x, y in zip(xs, ys)]
