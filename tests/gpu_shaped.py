@@ -213,6 +213,11 @@ def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dic
         "memory": memory,
         "saved_activation_bytes": saved,
         "cuda_allocator_peak_bytes": allocator_peak,
+        # as memory.ProcessPeaks reports the allocator's peaks (the model is built after the baseline);
+        # reserved: what it took from the GPU, in the large pool's 20 MiB segments
+        "process_peak": {"instrument": "cuda caching allocator", "baseline_bytes": 0, "peak_bytes": allocator_peak,
+                         "peak_bytes_by_step": [allocator_peak] * cfg.steps,
+                         "reserved_bytes": -(-allocator_peak // (20 * 2**20)) * 20 * 2**20},
         "comm_calls": dict(cpu_record["comm_calls_per_step_by_rank"][r]),
         "comm_payload_bytes": payload,
         "comm_sent_bytes": sent,

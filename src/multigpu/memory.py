@@ -157,18 +157,69 @@ def zero_model_states(parameters: int, world_size: int, stage: int, optimizer: s
     return {k: parameters * b / (world_size if sharded[k] else 1) for k, b in per_param.items()}
 
 
-def process_peak_bytes(device: torch.device | None = None) -> int | None:
-    """What the machine says this process has held at most so far: on a GPU the caching
-    allocator's peak (`torch.cuda.max_memory_allocated`), on a CPU the resident set's high-water
-    mark (VmHWM in /proc/self/status; None where there is no /proc). Not the tracker's count:
-    an independent reading, allocator caching and temporaries included."""
-    if device is not None and device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+
+def _proc_status(field: str) -> int | None:
+    """A size from /proc/self/status (VmRSS, VmHWM), in bytes; None where there is no /proc."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+class ProcessPeaks:
+    """Each step's peak as the machine counts it, beside PeakMemoryTracker's count of live
+    tensors: what a device must really hold, caching and fragmentation and temporaries the
+    tracker does not see included.
+    - CUDA: the caching allocator's peaks of the step, `max_memory_allocated` (tensors, rounded
+      to the allocator's blocks) and `max_memory_reserved` (what it took from the GPU), the
+      statistics reset as each step begins;
+    - CPU (Linux): the resident set's high-water mark (VmHWM), reset as each step begins by
+      writing 5 to /proc/self/clear_refs; glibc's malloc keeps much of what was freed, so a
+      step starts from the resident set the last one left.
+    Both are given above a baseline taken before the model was built (`begin`), so that they
+    count what the tracker counts (the model, its gradients, optimizer state, activations) plus
+    what only the machine sees. Where neither instrument exists, None."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.baseline = self._now()
+        self.peak_by_step: list[int | None] = []
+        self.reserved_by_step: list[int] = []
+        self.absolute_peak = 0  # the allocator's peak over the run, not above the baseline
+
+    def _now(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else _proc_status("VmRSS")
+
+    def start_step(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")
+        except OSError:
+            self.baseline = None  # the mark cannot be reset: a step's peak cannot be told apart
+
+    def end_step(self) -> None:
+        if self.cuda:
+            allocated = torch.cuda.max_memory_allocated(self.device)
+            self.absolute_peak = max(self.absolute_peak, allocated)
+            self.peak_by_step.append(allocated - self.baseline)
+            self.reserved_by_step.append(torch.cuda.max_memory_reserved(self.device) - self.baseline)
+            return
+        mark = _proc_status("VmHWM")
+        self.peak_by_step.append(None if mark is None or self.baseline is None else mark - self.baseline)
+
+    def report(self) -> dict:
+        known = [p for p in self.peak_by_step if p is not None]
+        return {
+            "instrument": "cuda caching allocator" if self.cuda else "resident set (VmHWM)" if known else None,
+            "baseline_bytes": self.baseline,
+            "peak_bytes": max(known) if known else None,
+            "peak_bytes_by_step": self.peak_by_step,
+            "reserved_bytes": max(self.reserved_by_step) if self.reserved_by_step else None,
+        }

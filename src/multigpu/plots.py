@@ -685,7 +685,8 @@ def _at(ax, axis: str, position: float) -> str:
 
     # categories, or labels set by hand (set_xticks(ticks, labels) installs a FuncFormatter)
     formatter = getattr(ax, f"{axis}axis").get_major_formatter()
-    if isinstance(formatter, (FixedFormatter, FuncFormatter, StrCategoryFormatter)):  # the nearest tick's: grouped bars sit beside their tick
+    if isinstance(formatter, (FixedFormatter, FuncFormatter, StrCategoryFormatter)):
+        # the nearest tick's: grouped bars sit beside their tick
         ticks = list(getattr(ax, f"get_{axis}ticks")())
         labels = [t.get_text() for t in getattr(ax, f"get_{axis}ticklabels")()]
         gap = min((b - a for a, b in zip(ticks, ticks[1:])), default=1.0)
@@ -803,7 +804,7 @@ _in_notebooks()
 
 
 class LiveRun:
-    """A run started from a notebook: its loss, step time and rank 0's peak memory so far,
+    """A run started from a notebook: its loss, step time and each step's peak memory on rank 0,
     drawn as each step arrives (at most twice a second), left in the cell when it ends."""
 
     def __init__(self, steps: int, title: str, redraw_s: float = 0.5):
@@ -831,7 +832,8 @@ class LiveRun:
 
         self.drawn_at = time.monotonic()
         steps = [r[0] for r in self.rows]
-        for ax, i, label in zip(self.axes, (1, 2, 3), ("loss (rank 0's samples)", "step time (ms)", "peak so far (GiB)")):
+        labels = ("loss (rank 0's samples)", "step time (ms)", "the step's peak (GiB)")
+        for ax, i, label in zip(self.axes, (1, 2, 3), labels):
             ax.clear()
             points = [(s, r[i]) for s, r in zip(steps, self.rows) if r[i] is not None]
             if points:
@@ -840,8 +842,8 @@ class LiveRun:
             ax.set_xlabel("step")
             ax.set_title(label, fontsize=9)
         done = steps[-1] if steps else 0
-        self.fig.suptitle(f"{self.title}: step {done} of {self.steps} (memory: rank 0's process, as the "
-                          "machine counts it)", fontsize=9)
+        self.fig.suptitle(f"{self.title}: step {done} of {self.steps} (memory: rank 0's process above its size "
+                          "before the model, as the machine counts it)", fontsize=9)
 
     def close(self) -> None:
         """The last state stays in the cell; the figure is closed so it is not shown twice."""

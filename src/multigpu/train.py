@@ -26,12 +26,13 @@ from multigpu import strategies
 from multigpu.comm import CommCounter, loopback_tx_bytes
 from multigpu.config import RunConfig, parse_fault
 from multigpu.data import TokenDataset, batches, make_loader
-from multigpu.memory import CATEGORIES, PeakMemoryTracker, empty_breakdown, model_state_bytes, process_peak_bytes
+from multigpu.memory import CATEGORIES, PeakMemoryTracker, ProcessPeaks, empty_breakdown, model_state_bytes
 from multigpu.models import build_model, default_seq_len, vocab_size
 from multigpu.runtime import RankGrid
 
-# rank 0 prints one line per step: the mark, steps done, steps, loss, step time (s), its process's
-# peak memory so far (bytes; -1 unknown); the launcher draws a bar, or in a notebook a live figure
+# rank 0 prints one line per step: the mark, steps done, steps, loss, step time (s), the step's
+# peak as the machine counts it (ProcessPeaks, bytes; -1 unknown); the launcher draws a bar, or in
+# a notebook a live figure
 PROGRESS_MARK = "@@multigpu-progress"
 
 
@@ -56,6 +57,9 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
     `keep_params` the whole trained weights (gathered from the shards: only when asked,
     because a full copy of a large model costs as much memory as the model)."""
     rt.grid = RankGrid.build(rt.device.type, **cfg.process_degrees)
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    machine = ProcessPeaks(rt.device)  # its baseline: before the model exists
     model = build_model(cfg.model, cfg.seed)
     model.to(rt.device)
     parameters = sum(p.numel() for p in model.parameters())  # before sharding hides them
@@ -83,11 +87,10 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
     # all ranks on this machine talking over gloo: their traffic is the loopback's traffic
     measure_wire = rt.backend == "gloo" and rt.world_size > 1 and loopback_tx_bytes() is not None
     loopback_bytes = None
-    if rt.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(rt.device)
 
     for step in range(cfg.steps):
         _maybe_fail(cfg, rt.rank, step)
+        machine.start_step()
         if step == 0 and track_memory:
             memory_tracker = PeakMemoryTracker(par.model, par.module, par.optimizer, *par.tracked)
             tracking.enter_context(memory_tracker)
@@ -114,6 +117,7 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
                 f"rate too high (lr={cfg.lr:g}: try 10x smaller), or half precision without loss scaling")
         _synchronize(rt.device)
         step_times_s.append(time.perf_counter() - start)
+        machine.end_step()
         if step == last_tracked_step:
             tracking.close()
         if step == comm_step:
@@ -123,9 +127,9 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
                 loopback_bytes = loopback_tx_bytes() - wire_before
         losses.append(step_loss)
         if rt.is_main:
-            peak = process_peak_bytes(rt.device)
-            print(f"{PROGRESS_MARK} {step + 1} {cfg.steps} {step_loss:.6f} {step_times_s[-1]:.6f} {peak or -1}",
-                  flush=True)
+            peak = machine.peak_by_step[-1]
+            print(f"{PROGRESS_MARK} {step + 1} {cfg.steps} {step_loss:.6f} {step_times_s[-1]:.6f} "
+                  f"{-1 if peak is None else peak}", flush=True)
 
     model_states = model_state_bytes(par.module, par.optimizer)  # what this rank holds between steps
     not_measured = dict.fromkeys([*CATEGORIES, "total"])
@@ -142,7 +146,8 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
         else empty_breakdown(),
         "saved_activation_bytes": memory_tracker.saved_activation_bytes if memory_tracker
         else None if par.counts_own_memory else 0,
-        "cuda_allocator_peak_bytes": torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else None,
+        "cuda_allocator_peak_bytes": machine.absolute_peak if rt.device.type == "cuda" else None,
+        "process_peak": machine.report(),
         "comm_calls": dict(comm.calls) if comm else {},
         "comm_payload_bytes": dict(comm.payload_bytes) if comm else {},
         "comm_sent_bytes": comm.sent_bytes if comm else {},

@@ -56,6 +56,8 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         "saved_activation_bytes_by_rank": [m["activations"] for m in peak_by_rank] if cfg.info.one_process
         else [r["saved_activation_bytes"] for r in results],
         "cuda_allocator_peak_bytes_by_rank": [r["cuda_allocator_peak_bytes"] for r in results],
+        # each rank's step peaks as the machine counts them (memory.ProcessPeaks), beside the tracker's
+        "process_peak_by_rank": [r["process_peak"] for r in results],
         "comm_calls_per_step_by_rank": [r["comm_calls"] for r in results],
         "comm_payload_bytes_per_step_by_rank": [r["comm_payload_bytes"] for r in results],
         "comm_bytes_per_step_by_rank": [r["comm_sent_bytes"] for r in results],
