@@ -419,3 +419,45 @@ def test_on_a_gpu_the_estimate_adds_the_context_the_cublas_workspaces_and_the_ro
     assert b["other"] - a["other"] == 500 * 2**20 + 64 * 2**20 + allocator_rounding_bytes(gpu)
     assert {k: v for k, v in a.items() if k not in ("other", "total")} == \
         {k: v for k, v in b.items() if k not in ("other", "total")}
+
+
+# -- the optimizer's step on a GPU -------------------------------------------------------------
+
+
+def test_the_optimizer_steps_temporary_is_what_torchs_foreach_adamw_allocates():
+    """On a GPU, torch's AdamW runs its foreach implementation: measured here on the CPU with
+    foreach=True (what CUDA tensors get by default), its step holds one more fp32 tensor per
+    parameter beside parameters, gradients and both moments; the estimator's step phase says
+    the same. The CPU's default (a loop over tensors) adds no phase."""
+    from multigpu.estimate import Setup, allocator_rounding_bytes, estimate, optimizer_step_temporary, rank_shares
+    from multigpu.memory import model_state_bytes
+
+    model = build_model("gpt-tiny", seed=0)
+    ids = torch.randint(vocab_size("gpt-tiny"), (2, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    for _ in range(2):  # the first step makes the moments; the second is measured
+        optimizer.zero_grad()
+        compute_loss(model, {"input_ids": ids, "labels": ids}).backward()
+        if optimizer.state:
+            with PeakMemoryTracker(model, optimizer) as tracker:
+                optimizer.step()
+        else:
+            optimizer.step()
+    held = model_state_bytes(model, optimizer)
+    measured = tracker.by_category["total"] - sum(held[k] for k in ("params", "grads", "optimizer"))
+    on_gpu = Setup("gpt-tiny", "single", seq_len=16, on_cuda=True)
+    predicted = optimizer_step_temporary(on_gpu, rank_shares(on_gpu)[0])
+    assert predicted == 4 * sum(p.numel() for p in model.parameters())
+    assert measured == pytest.approx(predicted, rel=0.01)
+    assert optimizer_step_temporary(replace(on_gpu, on_cuda=False), rank_shares(on_gpu)[0]) == 0
+
+    # DDP on 8 GPUs, one short sample each: the step is the peak, with both moments and the
+    # temporary (3 x 4 bytes per parameter) and the reducer's buckets (4)
+    setup = Setup("gpt2", "ddp", 8, seq_len=64, on_cuda=True)
+    found, psi = estimate(setup, 8), 4 * model_shape("gpt2").parameters
+    assert found.phase == "optimizer step"
+    assert found.per_rank_bytes["optimizer"] == 3 * psi
+    assert found.per_rank_bytes["other"] - allocator_rounding_bytes(setup) == psi
+    # ZeRO-1: the moments and the temporary are shards
+    sharded = estimate(replace(setup, strategy="zero1"), 8)
+    assert sharded.per_rank_bytes["optimizer"] <= 3 * psi / 8 + 8

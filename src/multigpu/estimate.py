@@ -682,7 +682,9 @@ def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, d
       gradient made and about to be reduce-scattered (ZeRO-3, FSDP);
     - "backward, others in flight" (a pipeline): one micro-batch's backward done, every
       gradient of the stage made, the other micro-batches' activations still alive;
-    - "backward": the end of backward, every gradient made, the largest being summed."""
+    - "backward": the end of backward, every gradient made, the largest being summed;
+    - "optimizer step" (a GPU, Adam): the step's temporaries beside every model state
+      (optimizer_step_temporary)."""
     shape = model_shape(setup.model)
     width = 2 if setup.dtype == "bf16-master" else 4  # bytes of a parameter, and of its gradient
     psi, n, s = share.parameters * width, degrees(setup)["dp"], data_parallel_kind(setup)
@@ -755,12 +757,33 @@ def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, d
         bwd.update(params=gathered, grads=psi + g)
     if pipeline:
         phases["backward, others in flight"] = {**bwd, "activations": saved - one}
+    temporary = optimizer_step_temporary(setup, share)
+    if temporary:  # the step itself: activations gone, every gradient held, the optimizer's temporaries
+        phases["optimizer step"] = {"params": p, "grads": psi if s == "zero1" else g, "optimizer": o + temporary,
+                                    "activations": 0, "other": psi if s == "ddp" else 0}
     if setup.activation_checkpointing:  # backward recomputes one block at a time
         recomputed = share.recompute[0] + share.recompute[1] * b
         for name in ("backward", "backward, others in flight"):
             if name in phases:
                 phases[name]["activations"] += recomputed
     return phases
+
+
+def optimizer_step_temporary(setup: Setup, share: RankShare) -> int:
+    """Bytes the optimizer's step allocates beside the model states, on a GPU. There torch's
+    Adam and AdamW run their foreach implementation (torch.optim.optimizer's
+    _default_to_fused_or_foreach picks it for CUDA tensors), whose
+    `exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)` makes one fp32 tensor per
+    parameter the rank updates, all alive at once beside parameters, gradients and both
+    moments (torch/optim/adam.py, _multi_tensor_adam): 4 bytes per parameter of the rank's
+    optimizer share (a shard under ZeRO-1 and beyond; none on the GPU when it is offloaded).
+    On a CPU the default is the implementation that loops over tensors, whose temporaries are
+    two of the largest tensor's size at a time, no more than backward's transients: 0. SGD's
+    foreach step updates in place: 0."""
+    if not setup.on_cuda or setup.optimizer not in ("adam", "adamw") or setup.offload_optimizer:
+        return 0
+    shards = degrees(setup)["dp"] if _zero_stage(setup) >= 1 else 1
+    return math.ceil(share.parameters / shards) * 4
 
 
 def largest_batch(setup: Setup, memory_bytes: int) -> Estimate | None:
