@@ -14,8 +14,9 @@ import pytest
 
 from multigpu.advise import advise
 from multigpu.config import ConfigError, RunConfig
-from multigpu.estimate import PIPELINES, Setup, degrees, estimate, gpt_parts, model_shape
+from multigpu.estimate import PIPELINES, Setup, degrees, estimate, gpt_parts
 from multigpu.hardware import ETH_100G, H100_SXM, MACHINES, NVLINK4, Link, Machine, group_link, step_time
+from multigpu.trace import model_shape
 from test_cli import run_cli
 
 GIB = 2**30
@@ -102,7 +103,7 @@ def test_without_overlap_the_model_predicts_the_steps_recorded_here():
     rank repeats the work TP does not cut (the LayerNorms, the embeddings, the optimizer's
     update of the parameters it keeps whole)."""
     from multigpu import records
-    from multigpu.estimate import setup_of
+    from multigpu.accuracy import setup_of
     from multigpu.hardware import recorded_machine
 
     here = recorded_machine(2)

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from multigpu.accuracy import setup_of
 from multigpu.config import OPTIMIZERS, ConfigError, RunConfig
-from multigpu.estimate import activation_cost, model_shape
 from multigpu.memory import PeakMemoryTracker
 from multigpu.models import (
     GPT_SIZES,
@@ -21,6 +21,7 @@ from multigpu.models import (
     vocab_size,
 )
 from multigpu.strategies import build_optimizer
+from multigpu.trace import activation_cost, model_shape
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt-small", "gpt2", "t5-tiny", "t5-small", "t5-large"])
@@ -110,7 +111,6 @@ from multigpu.estimate import (  # noqa: E402
     model_states,
     parse_bytes,
     rank_shares,
-    setup_of,
 )
 from test_cli import only_json_line, run_cli  # noqa: E402
 from test_measurements import ZERO_TABLE_1  # noqa: E402
@@ -203,7 +203,7 @@ def _recorded_runs():
 
 
 def test_estimated_peak_agrees_with_every_recorded_run():
-    from multigpu.estimate import against_records
+    from multigpu.accuracy import against_records
 
     rows = against_records(_recorded_runs())
     assert {r["strategy"] for r in rows} >= {"single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp"}
@@ -231,7 +231,7 @@ HELD_OUT = [
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("changes", HELD_OUT, ids=lambda c: f"{c['model']}-{c['strategy']}-{c['world_size']}")
 def test_estimated_peak_agrees_with_fresh_runs_it_was_not_fitted_to(changes):
-    from multigpu.estimate import against_records
+    from multigpu.accuracy import against_records
     from multigpu.launch import launch
 
     record = launch(RunConfig(steps=3, dataset="dummy", **changes), progress=False)
@@ -242,7 +242,7 @@ def test_estimated_peak_agrees_with_fresh_runs_it_was_not_fitted_to(changes):
 def test_estimated_categories_agree_with_the_recorded_runs():
     """Each category within 10% of itself or 5% of the peak (a few MiB move between categories
     with the allocator's timing)."""
-    from multigpu.estimate import against_records, categories_off
+    from multigpu.accuracy import against_records, categories_off
 
     rows = against_records(_recorded_runs())
     assert len(rows) >= 40
@@ -278,7 +278,6 @@ def test_offloading_the_optimizer_state_takes_it_off_the_device():
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
 def test_estimate_agrees_with_the_cuda_allocator(strategy):
     from multigpu import RunConfig
-    from multigpu.estimate import setup_of
     from multigpu.launch import launch
 
     record = launch(RunConfig(strategy=strategy, world_size=2, model="gpt-small", seq_len=128,
@@ -348,7 +347,7 @@ def test_saved_activations_per_micro_batch_are_the_recorded_ones_under_tp_and_pp
 
 
 def test_the_recorded_runs_include_tensor_and_pipeline_parallelism():
-    from multigpu.estimate import against_records
+    from multigpu.accuracy import against_records
 
     rows = against_records(_recorded_runs())
     assert {"tp", "tp-scratch", "pp-gpipe-scratch", "pp-1f1b-scratch"} <= {r["strategy"] for r in rows}

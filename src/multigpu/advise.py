@@ -24,8 +24,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from multigpu.config import ConfigError
-from multigpu.estimate import PIPELINES, Estimate, Setup, degrees, estimate, gpt_parts, model_shape
+from multigpu.estimate import PIPELINES, Estimate, Setup, degrees, estimate, gpt_parts
 from multigpu.hardware import MACHINES, Machine, StepTime, describe, generic_machine, step_time
+from multigpu.trace import model_shape
 
 # case -> (the guide's words for it, the families it names, first typically faster)
 GUIDE = {

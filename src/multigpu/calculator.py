@@ -37,11 +37,11 @@ from multigpu.estimate import (
     _phases,
     degrees,
     estimate,
-    model_shape,
     model_states,
     rank_shares,
 )
 from multigpu.records import CHECKOUT, _git_commit
+from multigpu.trace import model_shape
 
 SEQ_LEN = 256
 # GPT-3's widths and depths (Brown et al. 2020, table 2.1) beside the presets, as config files

@@ -3,15 +3,14 @@
 Two parts, derived differently:
 
 - **Model states** (parameters, gradients, optimizer state) follow the ZeRO paper's formulas
-  (`multigpu.memory.zero_model_states`), from the exact parameter count of the model, built
-  on the meta device (no memory, no weights).
-- **Activations** are *traced once*: the model runs one forward pass on fake tensors
-  (`FakeTensorMode`: shapes and dtypes, no data) for one sample and for two, and the bytes
-  still alive when forward returns (what it saved for backward) give a fixed part and a
-  per-sample part. Saved activations grow linearly with the batch (the one-device chapter
-  measures it), so every batch size after that is arithmetic: no candidate is traced.
+  (`multigpu.memory.zero_model_states`), from the exact parameter count of the model
+  (`multigpu.trace.model_shape`, built on the meta device).
+- **Activations** are *traced once* on fake tensors, at batch 1 and 2
+  (`multigpu.trace.activation_cost`): a fixed part and a per-sample part, so every batch
+  size after that is arithmetic: no candidate is traced.
 
-What a step holds at its peak is then put together phase by phase (`estimate`).
+What a step holds at its peak is then put together phase by phase (`estimate`);
+`multigpu.accuracy` sets the estimates beside the records.
 
 Under tensor and pipeline parallelism (the package's GPT only, the model those strategies
 cut) a rank holds a share of both (`rank_shares`): the blocks of its pipeline stage(s),
@@ -22,193 +21,16 @@ is that of the most loaded pipeline rank, which is what must fit.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import torch
-from torch import nn
 
 from multigpu.config import ConfigError
 from multigpu.memory import CATEGORIES
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimator needs to know about a model."""
-
-    name: str
-    parameters: int
-    largest_block: int  # parameters of the largest transformer block (a ZeRO-3 / FSDP unit)
-    outside_blocks: int  # parameters outside every block (embeddings, final norm, head)
-    blocks: int  # transformer blocks
-    largest_tensor: int  # elements of the largest parameter (the embedding, in these models)
-    vocab_size: int | None  # None: a bare parameter count, no activations known
-    family: str | None  # "gpt", "t5" or None
-    tensors: int = 0  # parameter tensors (each rounded up to 512 bytes by the CUDA allocator)
-
-
-@dataclass(frozen=True)
-class ActivationCost:
-    """Bytes forward keeps for backward: `fixed + per_sample * batch`, per process. Of them,
-    `tail` were saved after the last block (final norm, head, loss) and `last_block` by the
-    last block: backward frees those first."""
-
-    fixed: int
-    per_sample: int
-    logits_per_sample: int  # bytes of one sample's fp32 logits (the loss's temporaries scale with it)
-    tail: tuple[int, int] = (0, 0)  # (fixed, per sample)
-    last_block: tuple[int, int] = (0, 0)
-
-    def saved(self, batch: int) -> int:
-        return self.fixed + self.per_sample * batch
-
-    def freed_first(self, batch: int) -> tuple[int, int]:
-        """(tail, last block) bytes at this batch."""
-        return self.tail[0] + self.tail[1] * batch, self.last_block[0] + self.last_block[1] * batch
-
-
-def _build(model: str) -> tuple[nn.Module, str]:
-    """The model named by `model`: a preset, or a Hugging Face config.json (t5 or gpt2)."""
-    from multigpu.models import PRESETS, ModelConfigError, build_from_config_file, build_model, family
-
-    if model in PRESETS:
-        return build_model(model), PRESETS[model][0]
-    try:
-        if family(model) == "causal-lm":
-            kind = json.loads(Path(model).read_text())["model_type"]
-            raise ConfigError(f"{model}: model_type {kind!r} is not supported; the estimator knows t5 and gpt2 "
-                              "configs (or give params:<count> for model states only)")
-        return build_from_config_file(model)
-    except ModelConfigError as e:
-        hint = "" if Path(model).is_file() else ", nor params:<count> (e.g. params:7.5e9)"
-        raise ConfigError(f"{e}{hint}") from None
-
-
-def _fake_model(model: str, dtype: torch.dtype = torch.float32):
-    """(model, family, mode) with fake weights of `dtype`: shapes only, nothing allocated."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode, default = FakeTensorMode(), torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with mode:
-            built, family = _build(model)
-    finally:
-        torch.set_default_dtype(default)
-    return built, family, mode
-
-
-@lru_cache(maxsize=32)
-def model_shape(model: str) -> ModelShape:
-    """Parameter counts of `model`: a preset, a config.json path, or "params:<count>"."""
-    found = re.fullmatch(r"params:(.+)", model)
-    if found:
-        try:
-            n = int(float(found.group(1)))
-        except (ValueError, OverflowError):
-            n = 0
-        if n <= 0:
-            raise ConfigError(f"--model {model!r}: the count after params: must be a positive number, "
-                              "e.g. params:7.5e9")
-        return ModelShape(model, n, largest_block=0, outside_blocks=n, blocks=0, largest_tensor=0,
-                          vocab_size=None, family=None)
-    from multigpu.models import transformer_blocks
-
-    with torch.device("meta"):
-        built, family = _build(model)
-    blocks = transformer_blocks(built)
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    params = list(dict.fromkeys(built.parameters()))  # a tied weight once
-    total = sum(p.numel() for p in params)
-    largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-    outside = sum(p.numel() for p in params if id(p) not in in_blocks)
-    vocab = built.cfg.vocab_size if family == "gpt" else built.config.vocab_size
-    return ModelShape(model, total, largest, outside, blocks=len(blocks),
-                      largest_tensor=max(p.numel() for p in params), vocab_size=vocab, family=family,
-                      tensors=len(params))
-
-
-class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
-    """Every storage an operator creates (outside `skip`), to count those still alive."""
-
-    def __init__(self, skip: set):
-        super().__init__()
-        self.skip, self.refs = skip, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.multiprocessing.reductions import StorageWeakRef
-        from torch.utils._pytree import tree_flatten
-
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage._cdata  # the address of the storage: a freed one's may be reused
-                if key not in self.skip and (key not in self.refs or self.refs[key][0].expired()):
-                    self.refs[key] = (StorageWeakRef(storage), storage.nbytes())
-        return out
-
-    def alive_bytes(self) -> int:
-        return sum(n for ref, n in self.refs.values() if not ref.expired())
-
-
-@lru_cache(maxsize=64)
-def activation_cost(model: str, seq_len: int, target_len: int | None = None, weights: str = "fp32",
-                    autocast: bool = False, checkpointing: bool = False) -> ActivationCost:
-    """Saved activations of `model`, from forward passes on fake tensors at batch 1 and 2:
-    the bytes alive when forward returns, its output included (a T5 model returns its
-    logits; GPT returns the loss only), as `PeakMemoryTracker` measures them.
-    `target_len`: the decoder's length for encoder-decoder models (default: `seq_len`);
-    `weights`: "fp32" or "bf16" (what the layers compute with); `autocast`: bf16 autocast
-    around forward (with fp32 weights it also keeps bf16 copies of them)."""
-    from multigpu.models import apply_activation_checkpointing, transformer_blocks
-
-    shape = model_shape(model)
-    if shape.vocab_size is None:
-        raise ConfigError(f"{model}: a bare parameter count has no activations to estimate, so it gives the model "
-                          "states alone; batch sizes need a preset or a config.json")
-    if weights not in ("fp32", "bf16"):
-        raise ConfigError(f"weights must be fp32 or bf16, got {weights!r}")
-    built, family, mode = _fake_model(model, torch.bfloat16 if weights == "bf16" else torch.float32)
-    positions = built.cfg.seq_len if family == "gpt" else None
-    if positions is not None and seq_len > positions:
-        raise ConfigError(f"{model} has {positions} positions, so a sample holds at most {positions} tokens; "
-                          f"got {seq_len}: pass --seq-len {positions} or less")
-    if checkpointing:
-        apply_activation_checkpointing(built)
-    target_len = target_len or seq_len
-    saved, tail, last = {}, {}, {}
-    blocks = transformer_blocks(built)
-    with mode:
-        skip = {t.untyped_storage()._cdata for t in [*built.parameters(), *built.buffers()]}
-        for batch in (1, 2):
-            ids = torch.randint(shape.vocab_size, (batch, seq_len))
-            labels = torch.randint(shape.vocab_size, (batch, target_len if family == "t5" else seq_len))
-            marks = []  # alive bytes after each block's forward
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                with _AliveStorages(skip) as alive:  # as PeakMemoryTracker counts: at forward's return
-                    hooks = [b.register_forward_hook(lambda *_, add=marks.append, alive=alive: add(alive.alive_bytes()))
-                             for b in blocks]
-                    out = built(input_ids=ids, labels=labels)
-                    saved[batch] = alive.alive_bytes()
-                    for h in hooks:
-                        h.remove()
-            del out
-            ends = marks[-2:] if len(marks) >= 2 else [0, *marks]
-            tail[batch], last[batch] = saved[batch] - ends[-1], ends[-1] - ends[-2]
-    per_sample = saved[2] - saved[1]
-    logits = (target_len if family == "t5" else seq_len) * shape.vocab_size * 4
-
-    def line(by_batch):  # (fixed, per sample) through batch 1 and 2
-        return (2 * by_batch[1] - by_batch[2], by_batch[2] - by_batch[1])
-
-    return ActivationCost(fixed=saved[1] - per_sample, per_sample=per_sample, logits_per_sample=logits,
-                          tail=line(tail), last_block=line(last))
-
+from multigpu.trace import ActivationCost, _build, activation_cost, model_shape
 
 # -- the question: a model, a strategy, a grid of ranks ------------------------------------------
 
@@ -824,93 +646,3 @@ def parse_bytes(text: str, allow_zero: bool = False) -> int:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"memory must be {'zero or more' if allow_zero else 'positive'}, got {text!r}")
     return int(value)
-
-
-# -- against measurement ------------------------------------------------------------------------
-
-# a recorded strategy -> the estimator's (the from-scratch and library versions of one idea)
-_AS_ESTIMATED = {"single": "single", "dp": "dp", "ddp": "ddp", "ddp-scratch": "ddp", "zero1": "zero1",
-                 "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp",  # FSDP1's flat parameters: not modelled
-                 "tp": "tp", "tp-scratch": "tp", "pp-gpipe": "pp-gpipe", "pp-gpipe-scratch": "pp-gpipe",
-                 "pp-1f1b": "pp-1f1b", "pp-1f1b-scratch": "pp-1f1b", "pp-interleaved": "pp-interleaved"}
-
-
-def measured_categories(record: dict, rank: int = 0) -> dict[str, int]:
-    """A record's peak on `rank`, by category. Parameters, gradients and optimizer state as
-    the tracker classified them; activations are the saved activations, or fewer if some
-    were already freed at the peak (the tracker also files buffers that forward creates,
-    such as DDP's buckets, under activations); other is the rest of the peak."""
-    peak = record["peak_memory_bytes_by_rank"][rank]
-    out = {k: peak[k] for k in ("params", "grads", "optimizer")}
-    saved = record["saved_activation_bytes_by_rank"][rank]
-    if record["config"]["strategy"].startswith("pp-"):  # one micro-batch's; several are alive at the peak
-        saved = peak["activations"]
-    out["activations"] = min(saved, peak["activations"])
-    out["other"] = peak["total"] - sum(out.values())
-    out["total"] = peak["total"]
-    return out
-
-
-def setup_of(record: dict) -> Setup | None:
-    """The estimator's question for a recorded run, or None for a strategy it does not model
-    (also: ddp-scratch with tp, HSDP's replicas, FSDP wrapping anything but blocks)."""
-    from multigpu.config import RunConfig
-    from multigpu.models import default_seq_len
-
-    c = record["config"]
-    extra = c["extra"]
-    if c["strategy"] not in _AS_ESTIMATED or extra.get("wrap", "blocks") != "blocks" or extra.get("replicas"):
-        return None
-    grid = RunConfig(strategy=c["strategy"], world_size=c["world_size"], tp=c.get("tp", 1), pp=c.get("pp", 1),
-                     dp=c.get("dp")).degrees
-    if grid["tp"] > 1 and c["strategy"] == "ddp-scratch":
-        return None
-    if _AS_ESTIMATED[c["strategy"]] in PIPELINES:  # fewer micro-batches than the library's schedule takes
-        from multigpu.strategies.pp import microbatch_problem
-
-        if microbatch_problem(_AS_ESTIMATED[c["strategy"]], c["grad_accum_steps"], grid["pp"]):
-            return None
-    return Setup(model=c["model"], strategy=_AS_ESTIMATED[c["strategy"]], world_size=c["world_size"],
-                 seq_len=c["seq_len"] or default_seq_len(c["model"]), dtype=c["dtype"], optimizer=c["optimizer"],
-                 activation_checkpointing=c["activation_checkpointing"], grad_accum_steps=c["grad_accum_steps"],
-                 reshard_after_forward=extra.get("reshard_after_forward", True),
-                 bucket_cap_mb=c["bucket_cap_mb"], backend=record["provenance"]["backend"],
-                 on_cuda=record["provenance"]["device_type"] == "cuda",
-                 cuda_workspace_bytes=cublas_workspace_bytes(record["provenance"]["device_names"][0])
-                 if record["provenance"]["device_type"] == "cuda" else 0,
-                 tp=grid["tp"], pp=grid["pp"], sequence_parallel=bool(extra.get("sequence_parallel")))
-
-
-def categories_off(row: dict) -> list[str]:
-    """The categories of an `against_records` row whose estimate is off by more than 10% of
-    the measured category and more than 5% of the measured peak (a few MiB move between
-    categories with the allocator's timing)."""
-    est, meas = row["estimated"], row["measured"]
-    return [c for c in CATEGORIES if abs(est[c] - meas[c]) > max(0.10 * meas[c], 0.05 * meas["total"])]
-
-
-def against_records(records: list[dict]) -> list[dict]:
-    """One row per recorded run the estimator models: estimated and measured bytes by
-    category (rank 0, the DP primary; under a pipeline the rank whose estimated peak is the
-    highest), and the relative error of the total."""
-    rows = []
-    for r in records:
-        setup = setup_of(r)
-        peak = (r.get("peak_memory_bytes_by_rank") or [None])[0] or {}
-        if setup is None or not peak.get("total") or any(peak.get(c) is None for c in CATEGORIES):
-            # a strategy the estimator does not model, a run that did not track memory, or
-            # one whose categories the GPU path leaves unmeasured (dp on GPUs: the allocator's total only)
-            continue
-        found = estimate(setup, r["config"]["global_batch_size"])
-        est, meas = found.per_rank_bytes, measured_categories(r, found.pipeline_rank or 0)
-        d = degrees(setup)
-        grid = ", ".join(f"{k} {d[k]}" for k in ("tp", "pp") if d[k] > 1)
-        variant = ", ".join(v for v in ("no reshard" if not setup.reshard_after_forward else "",
-                                        "SP" if setup.sequence_parallel else "",
-                                        f"m {setup.grad_accum_steps}" if setup.strategy in PIPELINES else "") if v)
-        rows.append({"experiment": r.get("experiment"), "strategy": r["config"]["strategy"],
-                     "variant": variant, "grid": grid, "rank": found.pipeline_rank or 0,
-                     "world_size": r["config"]["world_size"], "global_batch": r["config"]["global_batch_size"],
-                     "estimated": est, "measured": meas, "total_error": est["total"] / meas["total"] - 1,
-                     "phase": found.phase})
-    return rows

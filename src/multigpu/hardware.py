@@ -35,9 +35,9 @@ from multigpu.estimate import (
     data_parallel_kind,
     degrees,
     gpt_parts,
-    model_shape,
     rank_shares,
 )
+from multigpu.trace import model_shape
 
 
 @dataclass(frozen=True)

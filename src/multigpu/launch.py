@@ -207,10 +207,11 @@ def memory_problem(cfg: RunConfig, device: str, per_node: int) -> str | None:
     import torch
 
     from multigpu import estimate as est
+    from multigpu.accuracy import setup_of
     from multigpu.records import cpu_name
 
     name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
-    setup = est.setup_of({"config": cfg.to_dict(), "provenance": {
+    setup = setup_of({"config": cfg.to_dict(), "provenance": {
         "backend": "nccl" if device == "cuda" else "gloo", "device_type": device, "device_names": [name]}})
     if setup is None:
         return None

@@ -514,7 +514,7 @@ def strategy_map(choice: dict, models: list[str], sizes: dict, batches: list[int
 
 
 def predicted_vs_measured(rows, records, title="The estimator against every recorded run"):
-    """rows: multigpu.estimate.against_records; measured peak total against the estimate."""
+    """rows: multigpu.accuracy.against_records; measured peak total against the estimate."""
     fig, (ax,) = _figure(records)
     for strategy in sorted({r["strategy"] for r in rows}):
         mine = [r for r in rows if r["strategy"] == strategy]
