@@ -107,9 +107,9 @@ from multigpu.estimate import (  # noqa: E402
     Setup,
     degrees,
     estimate,
-    largest_batch,
     model_states,
     parse_bytes,
+    predict_largest_batch,
     rank_shares,
 )
 from test_cli import only_json_line, run_cli  # noqa: E402
@@ -127,10 +127,10 @@ def test_model_states_reproduce_the_zero_papers_table_1(stage, strategy):
 
 def test_largest_batch_is_the_last_that_fits():
     setup = Setup("gpt-small", "ddp", 2, seq_len=128)
-    found = largest_batch(setup, 256 * 2**20)
+    found = predict_largest_batch(setup, 256 * 2**20)
     assert found.per_rank_bytes["total"] <= 256 * 2**20
     assert estimate(setup, found.global_batch + 2).per_rank_bytes["total"] > 256 * 2**20
-    assert largest_batch(setup, 2**20) is None  # not even the model fits
+    assert predict_largest_batch(setup, 2**20) is None  # not even the model fits
 
 
 @pytest.mark.parametrize("text, nbytes", [("32GiB", 32 * 2**30), ("80GB", 80 * 10**9), ("512 mib", 512 * 2**20),

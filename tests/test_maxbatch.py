@@ -23,7 +23,7 @@ def test_search_finds_what_brute_force_finds(monkeypatch, fixed, per_sample, cap
                 "provenance": {}}
 
     monkeypatch.setattr(maxbatch, "launch", fake_launch)
-    found = maxbatch.largest_batch(RunConfig(strategy="ddp", world_size=2), cap, limit=1000)
+    found = maxbatch.measure_largest_batch(RunConfig(strategy="ddp", world_size=2), cap, limit=1000)
     peak = {b: fixed + per_sample * b - (per_sample // 2 if b == 1 else 0) for b in range(1, 1001)}
     expected = max((b for b in peak if peak[b] <= cap), default=0)
     assert found["per_rank_batch"] == expected
@@ -38,7 +38,7 @@ def test_largest_batch_on_real_runs_is_a_boundary():
     """The answer fits the cap and one more sample per rank does not, both measured."""
     cfg = RunConfig(strategy="ddp", world_size=2, model="gpt-tiny", optimizer="adamw", dataset="dummy")
     one = maxbatch.peak_bytes(maxbatch.launch(cfg.replace(global_batch_size=2, steps=2), progress=False))
-    found = maxbatch.largest_batch(cfg, cap_bytes=int(one * 1.5))
+    found = maxbatch.measure_largest_batch(cfg, cap_bytes=int(one * 1.5))
     b, probes = found["per_rank_batch"], found["probes"]
     assert b >= 1 and probes[b] <= found["cap_bytes"] < probes[b + 1]
 
@@ -57,7 +57,7 @@ def test_runs_that_run_out_of_memory_are_bisected(monkeypatch):
                 "provenance": {"machine_tag": "fake"}}
 
     monkeypatch.setattr(maxbatch, "launch", fake_launch)
-    found = maxbatch.largest_batch(RunConfig(strategy="ddp", world_size=2), cap_bytes=10**6, limit=1000)
+    found = maxbatch.measure_largest_batch(RunConfig(strategy="ddp", world_size=2), cap_bytes=10**6, limit=1000)
     assert found["per_rank_batch"] == 20 and found["provenance"] == {"machine_tag": "fake"}
     assert len(launched) <= 10, launched
     assert found["probes"][max(launched)] is None

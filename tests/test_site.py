@@ -246,13 +246,13 @@ def test_the_calculator_grid_is_the_packages_current_one(calculator_page):
 
 def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path):
     """Sampled settings (seeded) from every strategy: the page's bytes per category, phase,
-    pipeline rank and largest batch against `estimate` and `largest_batch` called here; a
+    pipeline rank and largest batch against `estimate` and `predict_largest_batch` called here; a
     setting the estimator refuses shows the estimator's own reason."""
     import random
 
     from multigpu import calculator
     from multigpu.config import ConfigError
-    from multigpu.estimate import estimate, largest_batch
+    from multigpu.estimate import estimate, predict_largest_batch
 
     grid = calculator_page.evaluate("""() => { const g = window.multigpuCalculator.grid;
         return Object.fromEntries(Object.entries(g.entries).map(([k, e]) => [k, e.error || [e.dp, e.m]])); }""")
@@ -279,7 +279,7 @@ def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path)
         memory = rng.choice([16, 32, 80, 141]) * 2**30
         page = calculator_page.evaluate("([s, mem]) => [window.multigpuCalculator.answer(s), "
                                         "window.multigpuCalculator.largest(s, mem)]", [settings, memory])
-        ours, most = estimate(setup, settings["global_batch"]), largest_batch(setup, memory)
+        ours, most = estimate(setup, settings["global_batch"]), predict_largest_batch(setup, memory)
         off = {c: page[0]["per_rank_bytes"][c] - ours.per_rank_bytes[c] for c in ours.per_rank_bytes
                if abs(page[0]["per_rank_bytes"][c] - ours.per_rank_bytes[c]) > 2}  # float sums in another order
         if off or page[0]["phase"] != ours.phase or page[0]["pipeline_rank"] != ours.pipeline_rank or \

@@ -135,7 +135,7 @@ def cmd_check(args) -> int:
 def cmd_estimate(args) -> int:
     import time
 
-    from multigpu.estimate import Setup, cublas_workspace_bytes, estimate, largest_batch
+    from multigpu.estimate import Setup, cublas_workspace_bytes, estimate, predict_largest_batch
 
     start = time.perf_counter()
     memory, context = _device_memory(args)
@@ -151,7 +151,7 @@ def cmd_estimate(args) -> int:
                   cuda_workspace_bytes=cublas_workspace_bytes(args.gpu), on_cuda=args.gpu is not None,
                   tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel)
     if args.max_batch:
-        found = largest_batch(setup, memory)
+        found = predict_largest_batch(setup, memory)
         result = found or estimate(setup, setup.world_size * setup.grad_accum_steps)
         max_batch = found.global_batch if found else 0
     else:

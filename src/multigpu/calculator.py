@@ -8,12 +8,12 @@ constant; saved activations and the loss's tensors grow with b). So the grid sto
 every setup and every pipeline rank, each phase's lines, checked against the estimator at
 other batches; the page (book/_static/calculator.js) evaluates them at the reader's batch
 exactly as `estimate` picks its peak (the largest phase of the largest rank, each category
-truncated to whole bytes) and searches the largest batch as `estimate.largest_batch` does.
+truncated to whole bytes) and searches the largest batch as `estimate.predict_largest_batch` does.
 
 The optimizer changes one category only, the same in every phase (`model_states`), so it is
 stored apart, once per rank. The grid is written at build time by book/_ext/calculator.py
 into the site's _static/; tests/test_site.py asks the page for sampled setups and batches and
-compares with `estimate` and `largest_batch`.
+compares with `estimate` and `predict_largest_batch`.
 """
 
 from __future__ import annotations

@@ -608,8 +608,9 @@ def optimizer_step_temporary(setup: Setup, share: RankShare) -> int:
     return math.ceil(share.parameters / shards) * 4
 
 
-def largest_batch(setup: Setup, memory_bytes: int) -> Estimate | None:
-    """The estimate for the largest global batch whose peak fits in `memory_bytes` per rank
+def predict_largest_batch(setup: Setup, memory_bytes: int) -> Estimate | None:
+    """Predicted (nothing runs; maxbatch.measure_largest_batch measures it): the estimate for
+    the largest global batch whose peak fits in `memory_bytes` per rank
     (global batches step by data-parallel ranks x micro-batches), or None if not even the
     smallest fits. The peak grows with the batch, so a doubling search then a bisection
     find it in a few dozen evaluations of the formulas."""

@@ -147,12 +147,12 @@ def _sharded_memory_comm() -> list[RunConfig]:
 
 
 def _largest_batch_records(strategy: str, world_size: int, cap_mib: int) -> list[dict]:
-    from multigpu.maxbatch import largest_batch
+    from multigpu.maxbatch import measure_largest_batch
 
     model, seq = ("gpt2", 512) if on_gpus(2) else ("gpt-small", 128)
     cfg = RunConfig(strategy=strategy, world_size=world_size, model=model, seq_len=seq, optimizer="adamw",
                     lr=1e-3, dataset="dummy", device=ddp_device())
-    found = largest_batch(cfg, cap_mib * 2**20)
+    found = measure_largest_batch(cfg, cap_mib * 2**20)
     if found["provenance"] is None:
         raise RuntimeError(f"largest_batch: not one {strategy} run finished under {cap_mib} MiB per rank")
     return [{"config": cfg.to_dict(), **found, "probes": {str(k): v for k, v in found["probes"].items()}}]

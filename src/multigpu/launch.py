@@ -221,7 +221,7 @@ def memory_problem(cfg: RunConfig, device: str, per_node: int) -> str | None:
         return None  # what the estimator cannot answer, the run itself will find out
     if need * on_one <= free:
         return None
-    fits = est.largest_batch(setup, free // on_one)
+    fits = est.predict_largest_batch(setup, free // on_one)
     where = f"{on_one} processes on this machine need {need * on_one / 2**30:.1f} GiB" if on_one > 1 else \
         "the GPU needs that"
     return (f"this run needs about {need / 2**30:.1f} GiB per process (estimated: model states, activations, "

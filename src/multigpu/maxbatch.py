@@ -19,8 +19,9 @@ def peak_bytes(record: dict) -> int:
     return max(cuda) if cuda else max(m["total"] for m in record["peak_memory_bytes_by_rank"])
 
 
-def largest_batch(cfg: RunConfig, cap_bytes: int, limit: int = 1024, progress: bool | None = False) -> dict:
-    """Largest per-rank batch (micro-batches of it, no accumulation) whose peak fits
+def measure_largest_batch(cfg: RunConfig, cap_bytes: int, limit: int = 1024, progress: bool | None = False) -> dict:
+    """Measured (the runs train; estimate.predict_largest_batch predicts it without running):
+    the largest per-rank batch (micro-batches of it, no accumulation) whose peak fits
     `cap_bytes`; returns it with every probe (per-rank batch -> peak bytes, None for a run
     that ran out of memory) and the provenance of the last run that finished."""
     n = cfg.world_size  # the batch splits over processes, or over dp's replicas
