@@ -355,7 +355,7 @@ def model_states(setup: Setup, share: RankShare | None = None) -> dict[str, int]
     if share is None:
         return max((model_states(setup, s) for s in rank_shares(setup)), key=lambda states: sum(states.values()))
     stage = _zero_stage(setup)
-    accounting = "bf16-mixed" if setup.dtype == "bf16-master" else "fp32"  # memory.zero_model_states' names
+    accounting = "bf16-master" if setup.dtype == "bf16-master" else "fp32"  # autocast keeps fp32 weights
     states = zero_model_states(share.parameters, degrees(setup)["dp"] if stage else 1, stage, setup.optimizer,
                                accounting)
     states = {k: math.ceil(v) for k, v in states.items()}

@@ -145,12 +145,17 @@ def zero_model_states(parameters: int, world_size: int, stage: int, optimizer: s
     """Model-state bytes per rank under ZeRO stage 0 (plain data parallel) to 3.
 
     fp32: params 4, grads 4, optimizer K = 0/4/8 bytes per parameter (SGD, momentum, Adam).
-    bf16-mixed: params 2, grads 2, optimizer K + 4 (the fp32 master weights); for Adam
-    that is the paper's 2 + 2 + 12. Stage 1 divides the optimizer's share by N, stage 2
-    also the gradients', stage 3 also the parameters'."""
+    bf16-master: params 2, grads 2, optimizer K + 4 (the fp32 master weights); for Adam
+    that is the paper's 2 + 2 + 12 (the paper's fp16; bf16 is as wide). The name is the
+    estimator's and the command line's for the same accounting; "bf16-mixed" there means
+    autocast over fp32 weights, which this function counts as fp32. Stage 1 divides the
+    optimizer's share by N, stage 2 also the gradients', stage 3 also the parameters'."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-    low = dtype == "bf16-mixed"
+    if dtype not in ("fp32", "bf16-master"):
+        raise ValueError(f"zero_model_states counts dtype 'fp32' (also autocast's bf16-mixed: fp32 weights) or "
+                         f"'bf16-master' (bf16 weights and gradients, an fp32 master copy), got {dtype!r}")
+    low = dtype == "bf16-master"
     per_param = {"params": 2 if low else 4, "grads": 2 if low else 4,
                  "optimizer": _OPTIMIZER_BYTES[optimizer] + (4 if low else 0)}
     sharded = {"optimizer": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
