@@ -88,7 +88,38 @@ SHARDED = [name for name, stage in ZERO_STAGE.items() if stage > 0]
 # strategies that run every replica as a thread of one process, not one process each
 ONE_PROCESS = tuple(name for name, s in STRATEGY_TABLE.items() if s.one_process or s.spans == "none")
 
-DTYPES = ("fp32", "bf16-mixed")
+DTYPES = ("fp32", "bf16-mixed", "fp16-mixed")
+# fp16-mixed (float16 autocast, fp32 weights, loss scaled by torch.amp.GradScaler) is right only
+# where one plain GradScaler sees every gradient the optimizer steps with, whole, after any
+# all-reduce, and its step can stand in for the strategy's: one device, DDP, DataParallel.
+FP16_STRATEGIES = ("single", "ddp", "dp")
+
+
+def _fp16_refusal(strategy: str) -> str:
+    """Why `strategy` cannot take fp16-mixed here, and what to use instead."""
+    module = STRATEGY_TABLE[strategy].module
+    if module in ("fsdp", "fsdp1"):
+        why = ("FSDP shards the gradients, so the overflow check must be combined over the ranks: it needs "
+               "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which this package does not wire in")
+    elif module == "deepspeed":
+        why = ("DeepSpeed scales the loss itself, through the fp16 section of its config (a dynamic loss scale "
+               "inside the engine), which this package does not set")
+    elif module in ("zero", "zero_torch"):
+        why = ("each rank's optimizer updates only its shard, so a plain GradScaler checks only that shard "
+               "for overflow and one rank could skip a step that another takes")
+    elif module == "ddp_scratch":
+        why = ("its step finishes the gradient all-reduce and updates in one call, leaving no point at which "
+               "GradScaler could unscale and check the averaged gradients")
+    elif STRATEGY_TABLE[strategy].spans == "tp":
+        why = ("each rank holds a slice of every weight's gradient, so an overflow on one rank must skip the "
+               "step on all of them, which a plain GradScaler does not do")
+    else:  # pipelines
+        why = ("each stage holds only its layers' gradients and the schedule runs backward itself, outside "
+               "the loop that scales the loss")
+    return (f"dtype 'fp16-mixed' (float16 autocast with loss scaling by torch.amp.GradScaler) is supported "
+            f"with strategies {', '.join(FP16_STRATEGIES)} only, not {strategy!r}: {why}. Use dtype "
+            f"'bf16-mixed' with {strategy!r} (bfloat16 has fp32's exponent range and needs no loss scaling), "
+            f"or one of {', '.join(FP16_STRATEGIES)} for fp16")
 MAX_BUCKET_MB = 2**20
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
@@ -207,6 +238,8 @@ class RunConfig:
                 "use fewer processes or a machine with more GPUs"
             )
         self._validate_degrees()
+        if self.dtype == "fp16-mixed" and self.strategy not in FP16_STRATEGIES:
+            raise ConfigError(_fp16_refusal(self.strategy))
         dp = self.degrees["dp"]
         per_step = dp * self.grad_accum_steps
         if self.global_batch_size % per_step:

@@ -75,7 +75,9 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
     loader, sampler = make_loader(dataset, process_batch, dp_rank, dp_size, cfg.seed)
     micro_steps_per_epoch = (cfg.num_samples // cfg.global_batch_size) * cfg.grad_accum_steps
     data = batches(loader, sampler, micro_steps_per_epoch, cfg.steps * cfg.grad_accum_steps)
-    autocast_dtype = torch.bfloat16 if cfg.dtype == "bf16-mixed" else None
+    # mixed precision: forward under autocast to this dtype, weights and optimizer in fp32
+    # (fp16-mixed also scales the loss: par.scaler, set by strategies.prepare)
+    autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(cfg.dtype)
 
     losses, step_times_s = [], []
     memory_tracker, comm = None, None
@@ -152,7 +154,8 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
         "comm_payload_bytes": dict(comm.payload_bytes) if comm else {},
         "comm_sent_bytes": comm.sent_bytes if comm else {},
         "loopback_bytes": loopback_bytes,
-        "strategy_report": par.report() if par.report else {},
+        "strategy_report": {**(par.report() if par.report else {}),
+                            **({"loss_scaling": par.scaler.report()} if par.scaler else {})},
         "state_dict": par.full_state_dict() if keep_params else None,
         "seq_len": seq_len,
         "parameters": parameters,

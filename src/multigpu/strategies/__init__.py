@@ -16,7 +16,40 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from multigpu.config import ConfigError
 from multigpu.models import apply_activation_checkpointing, compute_loss
+
+
+class LossScaler:
+    """fp16-mixed's loss scaling: torch.amp.GradScaler, and what it did at every step.
+
+    float16 keeps 5 exponent bits: magnitudes below about 6e-8 flush to zero, above 65504
+    overflow. Small gradients of activations would vanish in backward, so the loss is
+    multiplied by a large scale before backward (every gradient with it), and the fp32
+    gradients are divided by it again before the update. A step whose gradients hold an inf
+    or a NaN is skipped and the scale halved; after `growth_interval` clean steps it doubles.
+    bf16 has fp32's 8 exponent bits and needs none of this."""
+
+    def __init__(self, device_type: str, **kwargs):
+        self.scaler = torch.amp.GradScaler(device_type, **kwargs)
+        self.scale_by_step: list[float] = []  # the scale each step's loss was multiplied by
+        self.skipped_steps: list[int] = []  # steps whose gradients overflowed: no update, scale halved
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale the gradients, step only if all are finite, then adjust the scale. The scale
+        falls only after an overflow (growth never lowers it), which is how a skip is seen."""
+        used = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        if self.scaler.get_scale() < used:
+            self.skipped_steps.append(len(self.scale_by_step))
+        self.scale_by_step.append(used)
+
+    def report(self) -> dict:
+        return {"loss_scale_by_step": list(self.scale_by_step), "skipped_steps": list(self.skipped_steps)}
 
 
 @dataclass
@@ -40,6 +73,7 @@ class Parallelized:
     step: Callable[[], None] | None = None  # finish gradient communication, update; default: optimizer.step()
     gather_state_dict: Callable[[], dict] | None = None  # sharded strategies: gather whole weights
     train_step: Callable | None = None  # same signature as micro_batch_step, which is the default
+    scaler: LossScaler | None = None  # fp16-mixed: the loss scaling micro_batch_step applies
 
     def __post_init__(self):
         self.zero_grad = self.zero_grad or (lambda: self.optimizer.zero_grad(set_to_none=True))
@@ -61,7 +95,9 @@ def micro_batch_step(par: Parallelized, micro_batches: list[dict], autocast_dtyp
     locally (no_sync) on all but the last, whose backward communicates; then the update.
     Each micro-batch's loss is divided by their number, so the gradient is the mean over the
     whole batch, as one big batch would give. Returns the step's loss.
-    autocast_dtype: forward under autocast to this dtype (bf16 mixed precision), or None.
+    autocast_dtype: forward under autocast to this dtype (bf16 or fp16 mixed precision), or None.
+    With `par.scaler` (fp16-mixed) each micro-batch's loss is scaled before its backward, so the
+    summed gradients carry one scale, and the scaler unscales, checks and steps once at the end.
     before_forward(i): called before micro-batch i's forward (the memory tracker's marks)."""
     par.zero_grad()
     step_loss = None  # summed on the device: one host sync per step, not one per micro-batch
@@ -73,10 +109,13 @@ def micro_batch_step(par: Parallelized, micro_batches: list[dict], autocast_dtyp
             mixed = autocast_dtype is not None
             with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=mixed):
                 loss = compute_loss(par.module, batch) / len(micro_batches)
-            par.backward(loss)
+            par.backward(par.scaler.scale(loss) if par.scaler else loss)
         # in float64, one addition at a time: the same sum as Python's over loss.item()s
         step_loss = loss.detach().double() if step_loss is None else step_loss + loss.detach().double()
-    par.step()
+    if par.scaler:
+        par.scaler.step(par.optimizer)
+    else:
+        par.step()
     return step_loss.item()
 
 
@@ -105,4 +144,10 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
     strategy = importlib.import_module(f"multigpu.strategies.{cfg.info.module}")
     if cfg.activation_checkpointing and not getattr(strategy, "CHECKPOINTS_ITSELF", False):
         apply_activation_checkpointing(model)
-    return strategy.prepare(model, cfg, rt)
+    par = strategy.prepare(model, cfg, rt)
+    if cfg.dtype == "fp16-mixed":  # RunConfig.validate admits it only where the plain step is right
+        if par.train_step is not None or par.step != par.optimizer.step:
+            raise ConfigError(f"strategy {cfg.strategy!r} replaces the plain optimizer step, which fp16-mixed's "
+                              "GradScaler must take over; use bf16-mixed")
+        par.scaler = LossScaler(rt.device.type)
+    return par
