@@ -62,13 +62,15 @@ def _one_device_memory() -> list[RunConfig]:
 
 
 def _one_device_techniques() -> list[RunConfig]:
-    """What bf16 mixed precision, activation checkpointing and accumulation change."""
+    """What mixed precision (bf16, and fp16 with loss scaling), activation checkpointing and
+    accumulation change."""
     model, batch, seq = ("gpt2", 16, 512) if on_gpus() else ("gpt-small", 8, 128)
     base = RunConfig(model=model, global_batch_size=batch, seq_len=seq, steps=10, optimizer="adamw",
                      dataset="dummy")
     return [
         base.replace(extra={"technique": "baseline"}),
         base.replace(dtype="bf16-mixed", extra={"technique": "bf16-mixed"}),
+        base.replace(dtype="fp16-mixed", extra={"technique": "fp16-mixed"}),
         base.replace(activation_checkpointing=True, extra={"technique": "activation checkpointing"}),
         base.replace(grad_accum_steps=2, extra={"technique": "accumulation x2"}),
         base.replace(grad_accum_steps=4, extra={"technique": "accumulation x4"}),
