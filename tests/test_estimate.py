@@ -67,6 +67,72 @@ def test_traced_activations_equal_measured(name, seq, target, dtype, checkpointi
         assert cost.saved(batch) == _measured_saved(name, batch, seq, target, dtype, checkpointing)
 
 
+def _t5_with_dropout(tmp_path) -> str:
+    """t5-tiny's sizes with the released models' dropout, as a config.json."""
+    path = tmp_path / "t5-tiny-dropout.json"
+    path.write_text(json.dumps({**t5_config("t5-tiny").to_dict(), "model_type": "t5", "dropout_rate": 0.1}))
+    return str(path)
+
+
+def _saved_by_forward(name, batch, seq, attention, native_dropout=False) -> int:
+    """Bytes a real forward keeps (what the trace counts, counted on real tensors); with
+    `native_dropout`, every dropout runs ATen's native_dropout, the kernel CUDA runs (its mask:
+    a bool per element), here on the CPU."""
+    from unittest import mock
+
+    from multigpu.trace import _AliveStorages
+
+    model = build_model(name)
+    model.set_attn_implementation(attention)
+    ids = torch.randint(vocab_size(name), (batch, seq), generator=torch.Generator().manual_seed(0))
+    native = lambda x, p=0.5, training=True, inplace=False: (  # noqa: E731
+        torch.native_dropout(x, p, training)[0] if training and p > 0 else x)
+    skip = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+    with mock.patch("torch.nn.functional.dropout", native) if native_dropout else mock.MagicMock():
+        with _AliveStorages(skip) as alive:
+            out = model(input_ids=ids, labels=ids)
+            saved = alive.alive_bytes("cpu")
+    del out
+    return saved
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_released_dropout_is_traced_as_this_cpu_keeps_it(tmp_path, attention):
+    name = _t5_with_dropout(tmp_path)
+    cost = activation_cost(name, 32, attention=attention)
+    assert cost.saved(3) == _saved_by_forward(name, 3, 32, attention)
+    assert cost.per_sample > activation_cost(name, 32, attention=attention, dropout=False).per_sample
+
+
+def test_cuda_dropout_masks_are_a_byte_per_element(tmp_path):
+    # the reference: the same forward with every dropout run by native_dropout, CUDA's kernel
+    name = _t5_with_dropout(tmp_path)
+    cuda = activation_cost(name, 32, attention="eager", device="cuda")
+    for batch in (3, 4):
+        assert cuda.saved(batch) == _saved_by_forward(name, batch, 32, "eager", native_dropout=True)
+    assert cuda.per_sample < activation_cost(name, 32, attention="eager").per_sample
+
+
+def test_fused_attention_on_cuda_keeps_no_probabilities(tmp_path):
+    name = _t5_with_dropout(tmp_path)
+    eager, fused = (activation_cost(name, 32, attention=a, dropout=False, device="cuda") for a in ("eager", "sdpa"))
+    heads, calls = t5_config("t5-tiny").num_heads, 3 * t5_config("t5-tiny").num_layers  # self, self, cross
+    probabilities = calls * heads * 32 * 32 * 4  # one fp32 S x S matrix per head and call, per sample
+    rows = calls * heads * 32 * 4  # the fused kernel's log-sum-exp, per sample
+    assert fused.per_sample <= eager.per_sample - probabilities + rows + calls * heads * 32 * 16 * 4
+    # the package's GPT runs the fused kernel on the CPU too: both devices count the same
+    assert activation_cost("gpt-small", 64) == activation_cost("gpt-small", 64, device="cuda")
+
+
+def test_attention_and_device_are_checked():
+    with pytest.raises(ConfigError, match="scaled_dot_product_attention only"):
+        activation_cost("gpt-small", 64, attention="eager")
+    with pytest.raises(ConfigError, match="attention must be one of"):
+        activation_cost("t5-tiny", 32, attention="flash")
+    with pytest.raises(ConfigError, match="device must be one of"):
+        activation_cost("t5-tiny", 32, device="tpu")
+
+
 @pytest.mark.parametrize("model, says", [
     ("params:abc", "positive number"),
     ("params:0", "positive number"),

@@ -39,8 +39,9 @@ PIPELINES = ("pp-gpipe", "pp-1f1b", "pp-interleaved")  # the library's schedules
 ESTIMATED = (*DATA_PARALLEL, "tp", *PIPELINES)
 # fp32; bf16-mixed as this package runs it (autocast: fp32 parameters, gradients and optimizer
 # state, bf16 compute); bf16-master as the ZeRO paper and DeepSpeed count mixed precision (bf16
-# parameters and gradients, an fp32 master copy of the weights in the optimizer state)
-ESTIMATOR_DTYPES = ("fp32", "bf16-mixed", "bf16-master")
+# parameters and gradients, an fp32 master copy of the weights in the optimizer state); fp16-mixed
+# is bf16-mixed's memory (autocast to fp16, as wide; its loss scaler keeps two scalars)
+ESTIMATOR_DTYPES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master")
 GPUS = {  # name -> the memory its name says, read as GiB; the usable amount is a little less on some cards,
     # so give --gpu-memory where it matters
     "v100-16gb": 16 * 2**30, "v100-32gb": 32 * 2**30, "a10-24gb": 24 * 2**30, "a100-40gb": 40 * 2**30,
@@ -92,7 +93,11 @@ class Setup:
     bucket_cap_mb: float = 25.0
     cuda_context_bytes: int = 0  # what the CUDA context takes on each GPU (0 on CPU)
     cuda_workspace_bytes: int = 0  # cuBLAS's workspaces on each GPU (cublas_workspace_bytes; 0 on CPU)
-    on_cuda: bool = False  # a GPU: the allocator's 512-byte rounding counts (allocator_rounding_bytes)
+    on_cuda: bool = False  # a GPU: the allocator's 512-byte rounding counts (allocator_rounding_bytes), the
+    # optimizer step's foreach temporary, a dropout keeps a 1-byte mask and fused attention its output and
+    # log-sum-exp only (multigpu.trace._AliveStorages); False: this CPU's kernels, as traced
+    dropout: bool = True  # the model's own dropout (T5 as released: 0.1); False: none, as parity runs train
+    attention: str = "sdpa"  # "sdpa" (one fused call) or "eager" (T5 only: its operations one by one)
     backend: str = "nccl"  # "gloo" (CPU): its reduce-scatter works on a copy of the whole input
     # the rank grid, as RunConfig has it: world_size = dp x pp x tp
     tp: int = 1  # tensor-parallel degree: with fsdp (2D), with a pipeline, or the strategy tp (default: all ranks)
@@ -232,7 +237,10 @@ def bf16_weights(setup: Setup) -> bool:
 def _traced(setup: Setup, checkpointing: bool) -> ActivationCost:
     return activation_cost(setup.model, setup.seq_len, setup.target_len,
                            weights="bf16" if bf16_weights(setup) else "fp32",
-                           autocast=setup.dtype == "bf16-mixed", checkpointing=checkpointing)
+                           autocast={"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(setup.dtype, False),
+                           checkpointing=checkpointing,
+                           dropout=setup.dropout, attention=setup.attention,
+                           device="cuda" if setup.on_cuda else "cpu")
 
 
 @lru_cache(maxsize=256)
@@ -504,7 +512,8 @@ def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, d
       gradient made and about to be reduce-scattered (ZeRO-3, FSDP);
     - "backward, others in flight" (a pipeline): one micro-batch's backward done, every
       gradient of the stage made, the other micro-batches' activations still alive;
-    - "backward": the end of backward, every gradient made, the largest being summed;
+    - "backward": the end of backward, every gradient made, the largest being summed (an
+      encoder-decoder: when the decoder's embedding is, the encoder's activations still alive);
     - "optimizer step" (a GPU, Adam): the step's temporaries beside every model state
       (optimizer_step_temporary)."""
     shape = model_shape(setup.model)
@@ -525,7 +534,10 @@ def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, d
     pipeline = setup.strategy in PIPELINES
     accumulating = share.grads_in_forward if pipeline else setup.grad_accum_steps > 1
     fwd = {"params": p, "grads": 0, "optimizer": o, "activations": saved, "other": loss}
-    bwd = {"params": p, "grads": g - biggest, "optimizer": o, "activations": 0, "other": 3 * biggest}
+    # backward reaches the embedding last; an encoder-decoder's decoder embedding (T5's, the shared
+    # one) before the encoder's blocks, whose activations are then still alive
+    bwd = {"params": p, "grads": g - biggest, "optimizer": o, "activations": cost.encoder_saved(b),
+           "other": 3 * biggest}
     phases = {"forward": fwd, "backward": bwd}
     if s in ("single", "dp", "ddp"):
         fwd["grads"] = psi if accumulating else 0

@@ -134,14 +134,19 @@ class GPT(nn.Module):
         return loss_from_logits(logits, labels)
 
 
-# T5 sizes are those of the released checkpoints (Raffel et al. 2020, Table 14;
-# https://arxiv.org/abs/1910.10683); dropout is 0 so that parity tests are exact.
+# T5 presets are the released checkpoints' configurations (Raffel et al. 2020, Table 14,
+# https://arxiv.org/abs/1910.10683; the config.json of t5-small ... t5-3b on the Hugging Face
+# hub), dropout 0.1 included: training one of them trains what the sources trained. t5-tiny
+# is this package's test model, not a release: its dropout is 0, because a parity test
+# compares ranks with one device, and dropout would draw different masks in each process.
+T5_RELEASED_DROPOUT = 0.1
 T5_SIZES = {
-    "t5-tiny": dict(d_model=64, d_ff=256, d_kv=16, num_heads=4, num_layers=2, vocab_size=512),
-    "t5-small": dict(d_model=512, d_ff=2048, d_kv=64, num_heads=8, num_layers=6),
-    "t5-base": dict(d_model=768, d_ff=3072, d_kv=64, num_heads=12, num_layers=12),
-    "t5-large": dict(d_model=1024, d_ff=4096, d_kv=64, num_heads=16, num_layers=24),
-    "t5-3b": dict(d_model=1024, d_ff=16384, d_kv=128, num_heads=32, num_layers=24),
+    "t5-tiny": dict(d_model=64, d_ff=256, d_kv=16, num_heads=4, num_layers=2, vocab_size=512, dropout_rate=0.0),
+    "t5-small": dict(d_model=512, d_ff=2048, d_kv=64, num_heads=8, num_layers=6, dropout_rate=T5_RELEASED_DROPOUT),
+    "t5-base": dict(d_model=768, d_ff=3072, d_kv=64, num_heads=12, num_layers=12, dropout_rate=T5_RELEASED_DROPOUT),
+    "t5-large": dict(d_model=1024, d_ff=4096, d_kv=64, num_heads=16, num_layers=24,
+                     dropout_rate=T5_RELEASED_DROPOUT),
+    "t5-3b": dict(d_model=1024, d_ff=16384, d_kv=128, num_heads=32, num_layers=24, dropout_rate=T5_RELEASED_DROPOUT),
 }
 
 # GPT-2 sizes from Radford et al. 2019 (vocab 50257, context 1024); the small ones run on a laptop.
@@ -169,7 +174,6 @@ def t5_config(name: str):
     # a bare T5Config needs these two ids to train with `labels` (transformers 5.x)
     return T5Config(
         **{"vocab_size": 32128, **T5_SIZES[name]},
-        dropout_rate=0.0,
         feed_forward_proj="relu",
         decoder_start_token_id=0,
         pad_token_id=0,
@@ -224,7 +228,8 @@ def build_from_config_file(path: str) -> tuple[nn.Module, str]:
         if kind == "t5":
             from transformers import T5Config, T5ForConditionalGeneration
 
-            cfg = T5Config(**{**config, "dropout_rate": 0.0, "use_cache": False,
+            # the file's dropout (T5Config's default, 0.1, where it names none), as released
+            cfg = T5Config(**{**config, "use_cache": False,
                               "decoder_start_token_id": config.get("decoder_start_token_id", 0),
                               "pad_token_id": config.get("pad_token_id", 0)})
             return T5ForConditionalGeneration(cfg), "t5"

@@ -51,9 +51,13 @@ class ActivationCost:
     logits_per_sample: int  # bytes of one sample's fp32 logits (the loss's temporaries scale with it)
     tail: tuple[int, int] = (0, 0)  # (fixed, per sample)
     last_block: tuple[int, int] = (0, 0)
+    encoder: tuple[int, int] = (0, 0)  # an encoder-decoder's encoder: alive until backward reaches it
 
     def saved(self, batch: int) -> int:
         return self.fixed + self.per_sample * batch
+
+    def encoder_saved(self, batch: int) -> int:
+        return self.encoder[0] + self.encoder[1] * batch
 
     def freed_first(self, batch: int) -> tuple[int, int]:
         """(tail, last block) bytes at this batch."""
@@ -121,39 +125,96 @@ def model_shape(model: str) -> ModelShape:
                       tensors=len(params))
 
 
+ATTENTION = ("sdpa", "eager")  # how attention is computed: one fused call, or its operations one by one
+DEVICE_KINDS = ("cpu", "cuda")
+
+
 class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
-    """Every storage an operator creates (outside `skip`), to count those still alive."""
+    """Every storage an operator creates (outside `skip`), to count those still alive, as
+    two devices keep them. Traced here, a dropout draws its mask with `bernoulli_` into a
+    tensor of the input's type (ATen's `_dropout_impl`, what a CPU runs); CUDA runs
+    `native_dropout`, whose mask is a bool per element. And a CPU computes
+    `scaled_dot_product_attention` with dropout, or with a mask that needs a gradient (T5's
+    position bias), by its math backend, which keeps the S x S probabilities (and their
+    dropout mask), where CUDA's fused kernels keep the output and one log-sum-exp per row
+    (a dropout inside them keeps only its random seed)."""
 
     def __init__(self, skip: set):
         super().__init__()
         self.skip, self.refs = skip, {}
+        self.masks, self.fused = {}, set()  # mask storage -> its elements; storages made inside attention
+        self.in_attention, self.attention_keeps = False, []  # per call: (output's storage, bytes CUDA keeps)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.multiprocessing.reductions import StorageWeakRef
         from torch.utils._pytree import tree_flatten
 
         out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.bernoulli_:  # a dropout's mask, drawn in place
+            self.masks[args[0].untyped_storage()._cdata] = args[0].numel()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 key = storage._cdata  # the address of the storage: a freed one's may be reused
                 if key not in self.skip and (key not in self.refs or self.refs[key][0].expired()):
                     self.refs[key] = (StorageWeakRef(storage), storage.nbytes())
+                    self.masks.pop(key, None)
+                    (self.fused.add if self.in_attention else self.fused.discard)(key)
         return out
 
-    def alive_bytes(self) -> int:
-        return sum(n for ref, n in self.refs.values() if not ref.expired())
+    def attention(self, sdpa):
+        """`scaled_dot_product_attention`, its calls marked: what they make is the fused kernel's."""
+        def call(query, key, value, *args, **kwargs):
+            self.in_attention = True
+            try:
+                out = sdpa(query, key, value, *args, **kwargs)
+            finally:
+                self.in_attention = False
+            rows = out.numel() // out.shape[-1]
+            self.attention_keeps.append((StorageWeakRef_of(out), out.untyped_storage().nbytes() + rows * 4))
+            return out
+        return call
+
+    def alive_bytes(self, device: str = "cpu") -> int:
+        alive = {k: n for k, (ref, n) in self.refs.items() if not ref.expired()}
+        if device == "cpu":
+            return sum(alive.values())
+        kept = sum(n for k, n in alive.items() if k not in self.fused)
+        masks = sum(alive[k] - self.masks[k] for k in self.masks if k in alive and k not in self.fused)
+        return kept - masks + sum(n for _, n in self.attention_keeps)
+
+
+def StorageWeakRef_of(t: torch.Tensor):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
 
 
 @lru_cache(maxsize=64)
 def activation_cost(model: str, seq_len: int, target_len: int | None = None, weights: str = "fp32",
-                    autocast: bool = False, checkpointing: bool = False) -> ActivationCost:
+                    autocast: bool | str = False, checkpointing: bool = False, dropout: bool = True,
+                    attention: str = "sdpa", device: str = "cpu") -> ActivationCost:
     """Saved activations of `model`, from forward passes on fake tensors at batch 1 and 2:
     the bytes alive when forward returns, its output included (a T5 model returns its
     logits; GPT returns the loss only), as `PeakMemoryTracker` measures them.
     `target_len`: the decoder's length for encoder-decoder models (default: `seq_len`);
-    `weights`: "fp32" or "bf16" (what the layers compute with); `autocast`: bf16 autocast
-    around forward (with fp32 weights it also keeps bf16 copies of them)."""
+    `weights`: "fp32" or "bf16" (what the layers compute with); `autocast`: bf16 (True or
+    "bf16") or fp16 ("fp16") autocast
+    around forward (with fp32 weights it also keeps bf16 copies of them); `dropout`: the
+    model's own dropout (False: none, as the parity tests train); `attention`: "sdpa" or
+    "eager" (T5 can run either; the package's GPT runs sdpa); `device`: "cpu" or "cuda",
+    which keep a dropout's mask and fused attention differently (`_AliveStorages`)."""
+    if device not in DEVICE_KINDS:
+        raise ConfigError(f"device must be one of {', '.join(DEVICE_KINDS)}, got {device!r}")
+    return _activation_costs(model, seq_len, target_len, weights, autocast, checkpointing, dropout, attention)[device]
+
+
+@lru_cache(maxsize=64)
+def _activation_costs(model: str, seq_len: int, target_len: int | None, weights: str, autocast: bool | str,
+                      checkpointing: bool, dropout: bool, attention: str) -> dict[str, ActivationCost]:
+    """`activation_cost` for every device kind, from one trace."""
+    from unittest import mock
+
     from multigpu.models import apply_activation_checkpointing, transformer_blocks
 
     shape = model_shape(model)
@@ -162,7 +223,16 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
                           "states alone; batch sizes need a preset or a config.json")
     if weights not in ("fp32", "bf16"):
         raise ConfigError(f"weights must be fp32 or bf16, got {weights!r}")
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     built, family, mode = _fake_model(model, torch.bfloat16 if weights == "bf16" else torch.float32)
+    if family == "gpt" and attention != "sdpa":
+        raise ConfigError(f"{model}: the package's GPT computes attention with scaled_dot_product_attention only "
+                          "(attention sdpa); eager attention is a T5 option")
+    if family == "t5":
+        built.set_attn_implementation(attention)  # transformers' own switch, every layer's config
+    if not dropout:
+        built.eval()  # nothing else in these models depends on training mode
     positions = built.cfg.seq_len if family == "gpt" else None
     if positions is not None and seq_len > positions:
         raise ConfigError(f"{model} has {positions} positions, so a sample holds at most {positions} tokens; "
@@ -170,30 +240,45 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
     if checkpointing:
         apply_activation_checkpointing(built)
     target_len = target_len or seq_len
-    saved, tail, last = {}, {}, {}
+    saved, tail, last, encoder = ({d: {} for d in DEVICE_KINDS} for _ in range(4))
+    encoder_blocks = len(built.encoder.block) if family == "t5" else 0
     blocks = transformer_blocks(built)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     with mode:
         skip = {t.untyped_storage()._cdata for t in [*built.parameters(), *built.buffers()]}
-        for batch in (1, 2):
+        # T5's position bias, an attention mask that broadcasts over the batch, is used as it is at
+        # batch 1 and copied batch-wide inside the attention call from batch 2 on: where that copy
+        # separates the devices (sdpa), the CUDA line is taken between batches 2 and 3
+        batches = (1, 2, 3) if family == "t5" and attention == "sdpa" else (1, 2)
+        for batch in batches:
             ids = torch.randint(shape.vocab_size, (batch, seq_len))
             labels = torch.randint(shape.vocab_size, (batch, target_len if family == "t5" else seq_len))
-            marks = []  # alive bytes after each block's forward
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                with _AliveStorages(skip) as alive:  # as PeakMemoryTracker counts: at forward's return
-                    hooks = [b.register_forward_hook(lambda *_, add=marks.append, alive=alive: add(alive.alive_bytes()))
-                             for b in blocks]
+            marks = []  # alive bytes after each block's forward, per device kind
+            with torch.autocast("cpu", dtype=torch.float16 if autocast == "fp16" else torch.bfloat16,
+                                enabled=bool(autocast)):
+                with _AliveStorages(skip) as alive, \
+                        mock.patch("torch.nn.functional.scaled_dot_product_attention", alive.attention(sdpa)):
+                    # as PeakMemoryTracker counts: at forward's return
+                    hooks = [b.register_forward_hook(
+                        lambda *_, add=marks.append, alive=alive: add({d: alive.alive_bytes(d) for d in DEVICE_KINDS}))
+                        for b in blocks]
                     out = built(input_ids=ids, labels=labels)
-                    saved[batch] = alive.alive_bytes()
+                    for d in DEVICE_KINDS:
+                        saved[d][batch] = alive.alive_bytes(d)
                     for h in hooks:
                         h.remove()
             del out
-            ends = marks[-2:] if len(marks) >= 2 else [0, *marks]
-            tail[batch], last[batch] = saved[batch] - ends[-1], ends[-1] - ends[-2]
-    per_sample = saved[2] - saved[1]
+            for d in DEVICE_KINDS:
+                ends = [m[d] for m in marks[-2:]] if len(marks) >= 2 else [0, *(m[d] for m in marks)]
+                tail[d][batch], last[d][batch] = saved[d][batch] - ends[-1], ends[-1] - ends[-2]
+                encoder[d][batch] = marks[encoder_blocks - 1][d] if encoder_blocks else 0
     logits = (target_len if family == "t5" else seq_len) * shape.vocab_size * 4
 
-    def line(by_batch):  # (fixed, per sample) through batch 1 and 2
-        return (2 * by_batch[1] - by_batch[2], by_batch[2] - by_batch[1])
+    def line(by_batch, device):  # (fixed, per sample) through batch 1 and 2 (CUDA: the last two traced)
+        a, b = (1, 2) if device == "cpu" else batches[-2:]
+        per_sample = (by_batch[b] - by_batch[a]) / (b - a)
+        return (round(by_batch[a] - a * per_sample), round(per_sample))
 
-    return ActivationCost(fixed=saved[1] - per_sample, per_sample=per_sample, logits_per_sample=logits,
-                          tail=line(tail), last_block=line(last))
+    return {d: ActivationCost(fixed=line(saved[d], d)[0], per_sample=line(saved[d], d)[1], logits_per_sample=logits,
+                              tail=line(tail[d], d), last_block=line(last[d], d), encoder=line(encoder[d], d))
+            for d in DEVICE_KINDS}
