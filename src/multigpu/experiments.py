@@ -77,6 +77,21 @@ def _one_device_techniques() -> list[RunConfig]:
     ]
 
 
+def _machine_peak() -> list[RunConfig]:
+    """The tracker's peak beside the machine's own (the resident set on a CPU, the caching
+    allocator on a GPU) for models of real size in one process, GPT and T5 (as released,
+    dropout on): what the estimator's "will it fit" is calibrated with
+    (multigpu.accuracy.machine_calibration)."""
+    scale = 4 if on_gpus() else 1
+    runs = [RunConfig(model="gpt2", global_batch_size=b * scale, seq_len=256, steps=4, optimizer="adamw",
+                      dataset="dummy") for b in (1, 2, 4)]
+    runs += [RunConfig(model="t5-small", global_batch_size=b * scale, seq_len=256, steps=4,
+                       optimizer="sgd-momentum", dataset="dummy") for b in (2, 4)]
+    runs.append(RunConfig(model="t5-base", global_batch_size=2 * scale, seq_len=256, steps=4,
+                          optimizer="sgd-momentum", dataset="dummy"))
+    return runs
+
+
 def _ddp_scaling() -> list[RunConfig]:
     """Step time and bytes all-reduced as processes grow, per-process batch held fixed."""
     model, per_rank, seq = ("gpt2", 8, 256) if on_gpus(2) else ("gpt-mini", 8, 128)
@@ -426,6 +441,7 @@ def _async_staleness() -> list[Job]:
 EXPERIMENTS = {
     "one_device_memory": _one_device_memory,
     "one_device_techniques": _one_device_techniques,
+    "machine_peak": _machine_peak,
     "ddp_scaling": _ddp_scaling,
     "ddp_vs_scratch": _ddp_vs_scratch,
     "ddp_buckets": _ddp_buckets,
