@@ -82,10 +82,21 @@ def _parameters(model: str) -> int:
     return parameter_count(model)
 
 
+def _dims(model: str) -> tuple[int, int, int]:
+    """(blocks, width, vocabulary) of a GPT or T5 preset."""
+    if model in GPT_SIZES:
+        c = GPT_SIZES[model]
+        return c.n_layer, c.d_model, c.vocab_size
+    from multigpu.models import t5_config
+
+    c = t5_config(model)
+    return 2 * c.num_layers, c.d_model, c.vocab_size
+
+
 def _token_width(model: str) -> int:
     """What one token's activations grow with: every block's width, and the logits."""
-    c = GPT_SIZES[model]
-    return c.n_layer * c.d_model + c.vocab_size
+    blocks, width, vocab = _dims(model)
+    return blocks * width + vocab
 
 
 def _resized(values: list, n: int) -> list:
@@ -184,7 +195,7 @@ def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dic
     on_device = sum(v for c, v in model_states.items() if not (on_host and c == "optimizer"))
     allocator_peak = int((memory["total"] or on_device + (saved or 0)) * ALLOCATOR_SLACK) + CUBLAS_WORKSPACES
 
-    hidden = tokens * GPT_SIZES[cfg.model].d_model / GPT_SIZES[cpu.model].d_model  # a (batch, sequence, width) tensor
+    hidden = tokens * _dims(cfg.model)[1] / _dims(cpu.model)[1]  # a (batch, sequence, width) tensor
 
     def carried(kind: str) -> float:
         """What a collective's payload grows with: activations between tensor-parallel ranks and

@@ -135,7 +135,9 @@ def cmd_check(args) -> int:
 def cmd_estimate(args) -> int:
     import time
 
+    from multigpu.accuracy import CALIBRATED_BY, machine_calibration
     from multigpu.estimate import Setup, cublas_workspace_bytes, estimate, predict_largest_batch
+    from multigpu.trace import model_shape
 
     start = time.perf_counter()
     memory, context = _device_memory(args)
@@ -148,16 +150,22 @@ def cmd_estimate(args) -> int:
                   activation_checkpointing=args.activation_checkpointing, grad_accum_steps=args.grad_accum_steps,
                   reshard_after_forward=args.reshard_after_forward == "true",
                   offload_optimizer=args.offload_optimizer, cuda_context_bytes=context,
-                  cuda_workspace_bytes=cublas_workspace_bytes(args.gpu), on_cuda=args.gpu is not None,
+                  cuda_workspace_bytes=cublas_workspace_bytes(args.gpu), on_cuda=_on_cuda(args),
+                  dropout=not args.no_dropout, attention=args.attention,
                   tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel)
+    device = "cuda" if setup.on_cuda else "cpu"
+    calibration = None if args.uncalibrated else machine_calibration(device, model_shape(setup.model).family)
     if args.max_batch:
-        found = predict_largest_batch(setup, memory)
+        found = predict_largest_batch(setup, memory, calibration)
         result = found or estimate(setup, setup.world_size * setup.grad_accum_steps)
         max_batch = found.global_batch if found else 0
     else:
         result, max_batch = estimate(setup, args.batch_size), None
     total = result.per_rank_bytes["total"]
-    out = {**result.as_dict(), "fits": None if memory is None else total <= memory, "memory_bytes": memory,
+    machine = calibration.machine_bytes(result) if calibration and result.global_batch else None
+    must_fit = machine if machine is not None else total
+    out = {**result.as_dict(), "fits": None if memory is None else must_fit <= memory, "memory_bytes": memory,
+           "machine_bytes": machine, "calibration": calibration.describe() if calibration else None,
            "seconds": round(time.perf_counter() - start, 3)}
     if args.max_batch:
         out["max_batch_size"] = max_batch
@@ -181,23 +189,36 @@ def cmd_estimate(args) -> int:
     if context or setup.cuda_workspace_bytes:
         print(f"  'other' includes {_gib(context)} assumed for the CUDA context (--cuda-context to change) and "
               f"{_gib(setup.cuda_workspace_bytes)} for cuBLAS's two workspaces on a {args.gpu}")
+    if machine is not None:
+        print(f"  the machine's own peak, calibrated: {_gib(machine)} ({calibration.describe()})")
+    elif not args.uncalibrated and total:
+        print(f"  no {device} machine's own peak is recorded here ({CALIBRATED_BY} records), so what must fit is "
+              f"the tensors alone; `python -m multigpu figures --experiments {CALIBRATED_BY}` on such a machine "
+              "calibrates it")
     if memory is not None:
-        print(f"  fits: {'yes' if out['fits'] else 'no'} ({total / memory:.0%} of {_gib(memory)})")
+        print(f"  fits: {'yes' if out['fits'] else 'no'} ({must_fit / memory:.0%} of {_gib(memory)})")
     print(f"  method: {result.method}")
     print(f"  answered in {out['seconds']:.1f} s")
     return 0
 
 
+def _on_cuda(args) -> bool:
+    """Whether the estimate is for a GPU's kernels and allocator: --device, else a named --gpu."""
+    if args.device == "cpu" and args.gpu is not None:
+        raise ConfigError(f"--gpu {args.gpu} names a GPU but --device cpu asks about a CPU; drop one of them")
+    return args.device == "cuda" or (args.device is None and args.gpu is not None)
+
+
 def cmd_advise(args) -> int:
     from multigpu.advise import advise
-    from multigpu.estimate import Setup, parse_bytes
+    from multigpu.estimate import DEFAULT_CUDA_CONTEXT, Setup
     from multigpu.hardware import describe
 
     memory, context = _device_memory(args, smallest=SMALLEST_GPU)
     if args.machine is None and memory is None:
         raise ConfigError("give the memory of one GPU (--gpu-memory 32GiB or --gpu a100-80gb), or a --machine")
     if args.machine and args.cuda_context is None:
-        context = parse_bytes("500MiB")
+        context = DEFAULT_CUDA_CONTEXT
     base = Setup(model=args.model, seq_len=args.seq_len, target_len=args.target_len, dtype=args.dtype,
                  optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
                  cuda_context_bytes=context)
@@ -227,7 +248,7 @@ def _device_memory(args, smallest: int = 2**20) -> tuple[int | None, int]:
     """(memory of one device, CUDA context assumed in it) from --gpu-memory or --gpu, and
     --cuda-context: by default 500 MiB for a named GPU, nothing for a bare amount. A device
     of at most `smallest` bytes, or no more than its context, is an input error."""
-    from multigpu.estimate import GPUS, parse_bytes
+    from multigpu.estimate import DEFAULT_CUDA_CONTEXT, GPUS, parse_bytes
 
     if args.gpu is not None and args.gpu not in GPUS:
         raise ConfigError(f"unknown --gpu {args.gpu!r}; choose one of: {', '.join(GPUS)} (or give --gpu-memory)")
@@ -235,7 +256,7 @@ def _device_memory(args, smallest: int = 2**20) -> tuple[int | None, int]:
     if args.cuda_context is not None:
         context = parse_bytes(args.cuda_context, allow_zero=True)
     else:
-        context = parse_bytes("500MiB") if args.gpu is not None else 0
+        context = DEFAULT_CUDA_CONTEXT if args.gpu is not None else 0
     if memory is not None and memory <= max(context, smallest):
         size = f"{memory:,} bytes" if memory < 2**20 else _mib(memory)
         raise ConfigError(f"a device of {size} cannot train anything: it must hold more than "
@@ -315,6 +336,18 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--gpu-memory", default=None, help="memory of one device, e.g. 32GiB or 80GB")
     est.add_argument("--gpu", default=None, help="a named GPU for its memory, e.g. v100-32gb, a100-80gb, h100-80gb")
     est.add_argument("--cuda-context", default=None, help=CUDA_CONTEXT_HELP)
+    est.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                     help="whose kernels and allocator: cuda (a dropout keeps a 1-byte mask, fused attention no "
+                     "S x S probabilities, Adam's step a temporary, 512-byte blocks) or cpu (this package's "
+                     "trace as a CPU runs it); default: cuda with --gpu, else cpu")
+    est.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                     help="how attention is computed: sdpa (one fused call) or eager (T5 only: the operations "
+                     "one by one, as transformers ran T5 before SDPA)")
+    est.add_argument("--uncalibrated", action="store_true",
+                     help="fit the tensors alone, not the machine's peak calibrated on recorded runs "
+                     "(multigpu.accuracy.machine_calibration)")
+    est.add_argument("--no-dropout", action="store_true",
+                     help="the model without dropout (T5 presets have the released 0.1)")
     est.add_argument("--batch-size", type=int, default=None, help="global batch: all ranks together")
     est.add_argument("--max-batch", action="store_true", help="find the largest global batch that fits")
     est.add_argument("--grad-accum-steps", type=int, default=1)

@@ -42,6 +42,10 @@ ESTIMATED = (*DATA_PARALLEL, "tp", *PIPELINES)
 # parameters and gradients, an fp32 master copy of the weights in the optimizer state); fp16-mixed
 # is bf16-mixed's memory (autocast to fp16, as wide; its loss scaler keeps two scalars)
 ESTIMATOR_DTYPES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master")
+# what the CUDA context takes on each GPU when nobody says (the command line's default with --gpu):
+# "a few hundred MiB" (PyTorch's notes on CUDA semantics); it depends on the driver, the CUDA
+# version and the kernels loaded, so measure yours (nvidia-smi after torch.cuda.init()) and give it
+DEFAULT_CUDA_CONTEXT = 500 * 2**20
 GPUS = {  # name -> the memory its name says, read as GiB; the usable amount is a little less on some cards,
     # so give --gpu-memory where it matters
     "v100-16gb": 16 * 2**30, "v100-32gb": 32 * 2**30, "a10-24gb": 24 * 2**30, "a100-40gb": 40 * 2**30,
@@ -128,6 +132,7 @@ class Estimate:
     phase: str  # where the peak falls: "forward" (end of forward), "backward" or "model states only"
     method: str
     pipeline_rank: int | None = None  # under a pipeline: the rank (stage) whose peak this is, the highest
+    tied: tuple = ()  # other moments' bytes by category that reach the same total (filed differently)
 
     def as_dict(self) -> dict:
         return {"setup": asdict(self.setup), "degrees": degrees(self.setup), "global_batch": self.global_batch,
@@ -402,18 +407,27 @@ def estimate(setup: Setup, global_batch: int | None = None) -> Estimate:
     found = []
     for share in rank_shares(setup):
         phases = _phases(setup, share, model_states(setup, share), b)
-        phase = max(phases, key=lambda name: sum(phases[name].values()))
-        per_rank = {k: int(phases[phase][k]) for k in CATEGORIES}
-        per_rank["other"] += _cuda_overheads(setup)
-        per_rank["total"] = sum(per_rank.values())
-        found.append((per_rank["total"], share.pipeline_rank, phase, per_rank))
-    _, rank, phase, per_rank = max(found, key=lambda f: f[0])
-    method += "; activations traced once on fake tensors (batch 1 and 2) and scaled linearly"
+        by_phase = {}
+        for name, held in phases.items():
+            by_phase[name] = {k: int(held[k]) for k in CATEGORIES}
+            by_phase[name]["other"] += _cuda_overheads(setup)
+            by_phase[name]["total"] = sum(by_phase[name].values())
+        phase = max(by_phase, key=lambda name: by_phase[name]["total"])
+        # moments that hold as much (a CPU's Adam: the end of backward and the step hold the same
+        # bytes, filed differently); the tracker reports whichever came first
+        tied = tuple(held for name, held in by_phase.items() if name != phase
+                     and held["total"] == by_phase[phase]["total"])
+        found.append((by_phase[phase]["total"], share.pipeline_rank, phase, by_phase[phase], tied))
+    _, rank, phase, per_rank, tied = max(found, key=lambda f: f[0])
+    method += (f"; activations traced once on fake tensors (batch 1 and 2) and scaled linearly, kept as "
+               f"{'CUDA' if setup.on_cuda else 'a CPU'} keeps them ({setup.attention} attention, "
+               f"{'the model' + chr(39) + 's dropout' if setup.dropout else 'no dropout'})")
     if d["tp"] > 1:
         method += ", cut by tp as Megatron cuts them (Korthikanti et al. 2022)"
     if d["pp"] > 1:
         method += ", times the schedule's micro-batches in flight"
-    return Estimate(setup, global_batch, b, per_rank, phase, f"{method}; the peak from the step's phases", rank)
+    return Estimate(setup, global_batch, b, per_rank, phase, f"{method}; the peak from the step's phases", rank,
+                    tied)
 
 
 MAX_SEQ_LEN = 2**20  # a million tokens: beyond any model here, and beyond what a trace can allocate
@@ -611,25 +625,42 @@ def optimizer_step_temporary(setup: Setup, share: RankShare) -> int:
     parameter the rank updates, all alive at once beside parameters, gradients and both
     moments (torch/optim/adam.py, _multi_tensor_adam): 4 bytes per parameter of the rank's
     optimizer share (a shard under ZeRO-1 and beyond; none on the GPU when it is offloaded).
-    On a CPU the default is the implementation that loops over tensors, whose temporaries are
-    two of the largest tensor's size at a time, no more than backward's transients: 0. SGD's
+    On a CPU the default is the implementation that loops over tensors, whose
+    `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds two temporaries of
+    one tensor's size at a time (torch/optim/adam.py, _single_tensor_adam): two of the largest
+    tensor the rank updates (measured: gpt2's tied embedding, twice, in the step's peak). SGD's
     foreach step updates in place: 0."""
-    if not setup.on_cuda or setup.optimizer not in ("adam", "adamw") or setup.offload_optimizer:
+    if setup.optimizer not in ("adam", "adamw") or setup.offload_optimizer:
         return 0
     shards = degrees(setup)["dp"] if _zero_stage(setup) >= 1 else 1
+    if not setup.on_cuda:
+        return 2 * math.ceil(share.largest_tensor / shards) * 4
     return math.ceil(share.parameters / shards) * 4
 
 
-def predict_largest_batch(setup: Setup, memory_bytes: int) -> Estimate | None:
+def saved_activations(result: Estimate) -> int:
+    """Bytes forward saves for backward on the estimate's rank at its batch, every micro-batch
+    in flight included (what a calibration of the machine's peak scales with)."""
+    if not result.per_rank_batch:
+        return 0
+    share = rank_shares(result.setup)[result.pipeline_rank or 0]
+    return 0 if share.activations is None else round(share.in_flight * share.activations.saved(result.per_rank_batch))
+
+
+def predict_largest_batch(setup: Setup, memory_bytes: int, calibration=None) -> Estimate | None:
     """Predicted (nothing runs; maxbatch.measure_largest_batch measures it): the estimate for
     the largest global batch whose peak fits in `memory_bytes` per rank
     (global batches step by data-parallel ranks x micro-batches), or None if not even the
-    smallest fits. The peak grows with the batch, so a doubling search then a bisection
-    find it in a few dozen evaluations of the formulas."""
+    smallest fits. With a `calibration` (multigpu.accuracy.machine_calibration), what must fit
+    is the machine's peak it predicts from the estimate, not the tensors alone. The peak grows
+    with the batch, so a doubling search then a bisection find it in a few dozen evaluations
+    of the formulas."""
     step = degrees(setup)["dp"] * setup.grad_accum_steps
 
     def fits(k: int) -> bool:
-        return estimate(setup, k * step).per_rank_bytes["total"] <= memory_bytes
+        result = estimate(setup, k * step)
+        total = result.per_rank_bytes["total"] if calibration is None else calibration.machine_bytes(result)
+        return total <= memory_bytes
 
     if not fits(1):
         return None
