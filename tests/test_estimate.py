@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from multigpu.accuracy import setup_of
+from multigpu.accuracy import TOTAL_TOLERANCE, setup_of
 from multigpu.config import OPTIMIZERS, ConfigError, RunConfig
 from multigpu.memory import PeakMemoryTracker
 from multigpu.models import (
@@ -231,8 +231,9 @@ def test_a_named_gpu_is_its_memory_less_the_cuda_context():
     _, named = other("--gpu", "v100-16gb")
     assert named - other("--gpu-memory", "16GiB", "--cuda-context", "500MiB")[1] == gpu_extra
     assert named - other("--gpu", "v100-16gb", "--cuda-context", "0")[1] == 500 * 2**20
-    assert other("--gpu", "v100-16gb", batch=["--max-batch"])[0] < other("--gpu-memory", "16GiB",
-                                                                           batch=["--max-batch"])[0]
+    # the tensors alone: a bare --gpu-memory is asked as this CPU, whose own peak is calibrated
+    assert other("--gpu", "v100-16gb", batch=["--max-batch", "--uncalibrated"])[0] < other(
+        "--gpu-memory", "16GiB", batch=["--max-batch", "--uncalibrated"])[0]
 
 
 def test_estimate_cli_answers_in_json():
@@ -276,7 +277,7 @@ def test_estimated_peak_agrees_with_every_recorded_run():
     rows = against_records(_recorded_runs())
     assert {r["strategy"] for r in rows} >= {"single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp"}
     worst = max(rows, key=lambda r: abs(r["total_error"]))
-    assert abs(worst["total_error"]) <= 0.05, worst
+    assert abs(worst["total_error"]) <= TOTAL_TOLERANCE, worst
 
 
 
@@ -304,7 +305,7 @@ def test_estimated_peak_agrees_with_fresh_runs_it_was_not_fitted_to(changes):
 
     record = launch(RunConfig(steps=3, dataset="dummy", **changes), progress=False)
     [row] = against_records([record])
-    assert abs(row["total_error"]) <= 0.05, (row["estimated"], row["measured"], row["phase"])
+    assert abs(row["total_error"]) <= TOTAL_TOLERANCE, (row["estimated"], row["measured"], row["phase"])
 
 
 def test_estimated_categories_agree_with_the_recorded_runs():
