@@ -40,7 +40,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum-steps", "--micro-batches", type=int, default=d.grad_accum_steps,
                    help="micro-batches per optimizer step (a pipeline schedule's m)")
     p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--dtype", default=d.dtype, help="fp32 or bf16-mixed")
+    p.add_argument("--dtype", default=d.dtype, help="fp32, bf16-mixed (autocast) or fp16-mixed (autocast with loss "
+                   "scaling; single, ddp and dp)")
     p.add_argument("--optimizer", default=d.optimizer, help=", ".join(OPTIMIZERS))
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--steps", type=int, default=d.steps)
@@ -328,8 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "--grad-accum-steps is its micro-batches")
     est.add_argument("--sequence-parallel", action="store_true",
                      help="with tp: cut the residual stream and LayerNorms along the sequence")
-    est.add_argument("--dtype", default="fp32", help="fp32; bf16-mixed (autocast, fp32 weights, as this package "
-                     "trains); bf16-master (bf16 weights and an fp32 master copy, as the ZeRO paper and DeepSpeed)")
+    est.add_argument("--dtype", default="fp32", help="fp32; bf16-mixed or fp16-mixed (autocast, fp32 weights, as "
+                     "this package trains); bf16-master (bf16 weights and an fp32 master copy, as the ZeRO paper and DeepSpeed)")
     est.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
     est.add_argument("--seq-len", type=int, default=256, help="tokens per sample (the encoder's, for T5)")
     est.add_argument("--target-len", type=int, default=None, help="the decoder's tokens (T5; default: --seq-len)")
@@ -372,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     adv.add_argument("--nodes", type=int, default=1)
     adv.add_argument("--interconnect", default="fast", help="between nodes, without --machine: fast (8 x 400 Gb/s "
                      "InfiniBand per node) or slow (one 100 Gb/s Ethernet port); H100-class GPUs and NVLink assumed")
-    adv.add_argument("--dtype", default="fp32", help="fp32, bf16-mixed or bf16-master")
+    adv.add_argument("--dtype", default="fp32", help="fp32, bf16-mixed, fp16-mixed or bf16-master")
     adv.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
     adv.add_argument("--seq-len", type=int, default=256)
     adv.add_argument("--target-len", type=int, default=None)
