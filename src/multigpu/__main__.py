@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--sequence-parallel", action="store_true",
                      help="with tp: cut the residual stream and LayerNorms along the sequence")
     est.add_argument("--dtype", default="fp32", help="fp32; bf16-mixed or fp16-mixed (autocast, fp32 weights, as "
-                     "this package trains); bf16-master (bf16 weights and an fp32 master copy, as the ZeRO paper and DeepSpeed)")
+                     "this package trains); bf16-master (bf16 weights and an fp32 master copy, as the ZeRO paper "
+                     "and DeepSpeed)")
     est.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
     est.add_argument("--seq-len", type=int, default=256, help="tokens per sample (the encoder's, for T5)")
     est.add_argument("--target-len", type=int, default=None, help="the decoder's tokens (T5; default: --seq-len)")
