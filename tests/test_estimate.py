@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from multigpu.accuracy import TOTAL_TOLERANCE, setup_of
-from multigpu.config import OPTIMIZERS, ConfigError, RunConfig
+from multigpu.config import OPTIMIZERS, ConfigError, RunConfig, parse_bytes
 from multigpu.memory import PeakMemoryTracker
 from multigpu.models import (
     GPT_SIZES,
@@ -174,7 +174,6 @@ from multigpu.estimate import (  # noqa: E402
     degrees,
     estimate,
     model_states,
-    parse_bytes,
     predict_largest_batch,
     rank_shares,
 )

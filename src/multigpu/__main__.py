@@ -249,7 +249,8 @@ def _device_memory(args, smallest: int = 2**20) -> tuple[int | None, int]:
     """(memory of one device, CUDA context assumed in it) from --gpu-memory or --gpu, and
     --cuda-context: by default 500 MiB for a named GPU, nothing for a bare amount. A device
     of at most `smallest` bytes, or no more than its context, is an input error."""
-    from multigpu.estimate import DEFAULT_CUDA_CONTEXT, GPUS, parse_bytes
+    from multigpu.config import parse_bytes
+    from multigpu.estimate import DEFAULT_CUDA_CONTEXT, GPUS
 
     if args.gpu is not None and args.gpu not in GPUS:
         raise ConfigError(f"unknown --gpu {args.gpu!r}; choose one of: {', '.join(GPUS)} (or give --gpu-memory)")

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 
@@ -367,3 +368,21 @@ def parse_fault(fault: str) -> tuple[str, int, int]:
             f"fault must look like 'raise@RANK:STEP' or 'kill@RANK:STEP', got {fault!r}"
         ) from None
     return kind, rank, step
+
+
+# -- amounts of memory, as the command line writes them ------------------------------------
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, allow_zero: bool = False) -> int:
+    """'32GiB' -> 34359738368; '80GB' -> 80e9; decimal and binary units, case-insensitive."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = found.group(2).lower() if found else None
+    if not found or unit not in _BYTE_UNITS:
+        raise ConfigError(f"cannot read {text!r} as an amount of memory; write e.g. 32GiB, 80GB or 512MiB")
+    value = float(found.group(1)) * _BYTE_UNITS[unit]
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"memory must be {'zero or more' if allow_zero else 'positive'}, got {text!r}")
+    return int(value)

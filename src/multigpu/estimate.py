@@ -22,7 +22,6 @@ is that of the most loaded pipeline rank, which is what must fit.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
@@ -674,19 +673,3 @@ def predict_largest_batch(setup: Setup, memory_bytes: int, calibration=None) -> 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return estimate(setup, lo * step)
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str, allow_zero: bool = False) -> int:
-    """'32GiB' -> 34359738368; '80GB' -> 80e9; decimal and binary units, case-insensitive."""
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = found.group(2).lower() if found else None
-    if not found or unit not in _UNITS:
-        raise ConfigError(f"cannot read {text!r} as an amount of memory; write e.g. 32GiB, 80GB or 512MiB")
-    value = float(found.group(1)) * _UNITS[unit]
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"memory must be {'zero or more' if allow_zero else 'positive'}, got {text!r}")
-    return int(value)
