@@ -3,7 +3,8 @@
 // window.MULTIGPU_GRID (written at build time by src/multigpu/calculator.py) holds, for every
 // setup, each pipeline rank's phases of a step as straight lines in the per-rank batch b: per
 // category but the optimizer's, [const, slope]; the optimizer's state apart, per optimizer and
-// rank. This file evaluates them as multigpu.estimate.estimate does (the largest phase of the
+// rank, with what its step allocates beside it (Adam's temporaries: the "optimizer step" phase,
+// which SGD, stepping in place, does not have). This file evaluates them as multigpu.estimate.estimate does (the largest phase of the
 // largest rank, each category truncated to whole bytes) and searches the largest batch as
 // estimate.largest_batch does. window.multigpuCalculator exposes both for tests/test_site.py.
 (function () {
@@ -25,9 +26,11 @@
     let best = null;
     entry.ranks.forEach((rank, r) => {
       const opt = entry.optimizer[optimizer][r];
+      const temporary = entry.step[optimizer][r];
       let peak = null;
       for (const [phase, pairs] of rank.phases) {
-        const values = { optimizer: opt };
+        if (phase === GRID.step_phase && !temporary) continue;
+        const values = { optimizer: phase === GRID.step_phase ? opt + temporary : opt };
         lined.forEach((c, i) => { values[c] = pairs[2 * i] + pairs[2 * i + 1] * b; });
         let sum = 0;
         for (const c of cats) sum += values[c];

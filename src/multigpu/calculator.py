@@ -10,8 +10,11 @@ other batches; the page (book/_static/calculator.js) evaluates them at the reade
 exactly as `estimate` picks its peak (the largest phase of the largest rank, each category
 truncated to whole bytes) and searches the largest batch as `estimate.predict_largest_batch` does.
 
-The optimizer changes one category only, the same in every phase (`model_states`), so it is
-stored apart, once per rank. The grid is written at build time by book/_ext/calculator.py
+The optimizer changes one category only (`model_states`), so it is stored apart, once per rank,
+with what its step allocates beside the states (`estimate.optimizer_step_temporary`): Adam's
+temporaries make an "optimizer step" phase, which SGD's step, updating in place, does not have.
+
+The grid is written at build time by book/_ext/calculator.py
 into the site's _static/; tests/test_site.py asks the page for sampled setups and batches and
 compares with `estimate` and `predict_largest_batch`.
 """
@@ -30,6 +33,7 @@ import multigpu
 from multigpu.config import ConfigError
 from multigpu.estimate import (
     CATEGORIES,
+    STEP_PHASE,
     GPUS,
     PIPELINES,
     Setup,
@@ -38,6 +42,7 @@ from multigpu.estimate import (
     degrees,
     estimate,
     model_states,
+    optimizer_step_temporary,
     rank_shares,
 )
 from multigpu.records import CHECKOUT, _git_commit
@@ -112,19 +117,26 @@ def entry(setup: Setup, label: str) -> dict:
     except ConfigError as refused:
         return {"error": str(refused).replace(setup.model, label)}
     d = degrees(setup)
-    ranks, optimizer = [], {name: [] for name in OPTIMIZERS}
+    ranks, optimizer, step = [], {name: [] for name in OPTIMIZERS}, {name: [] for name in OPTIMIZERS}
     for share in shares:
         states = model_states(setup, share)
         phases = _lines(setup, share, states)
         ranks.append({"rank": share.pipeline_rank, "phases": phases})
+        names = [phase for phase, _ in phases]
         for name in OPTIMIZERS:
-            other = model_states(replace(setup, optimizer=name), share)
-            if {k: v for k, v in other.items() if k != "optimizer"} != \
+            other = replace(setup, optimizer=name)
+            other_states = model_states(other, share)
+            if {k: v for k, v in other_states.items() if k != "optimizer"} != \
                     {k: v for k, v in states.items() if k != "optimizer"}:
                 raise NotLinear(f"{setup}: optimizer {name} changes more than the optimizer's state")
-            optimizer[name].append(other["optimizer"])
+            temporary = optimizer_step_temporary(other, share)
+            other_names = list(_phases(other, share, other_states, 1))
+            if other_names != [n for n in names if n != STEP_PHASE or temporary]:
+                raise NotLinear(f"{setup}: optimizer {name} changes the phases beyond its step's: {other_names}")
+            optimizer[name].append(other_states["optimizer"])
+            step[name].append(temporary)
     return {"dp": d["dp"], "pp": d["pp"], "tp": d["tp"], "m": setup.grad_accum_steps,
-            "overhead": _cuda_overheads(setup), "ranks": ranks, "optimizer": optimizer}
+            "overhead": _cuda_overheads(setup), "ranks": ranks, "optimizer": optimizer, "step": step}
 
 
 def key(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool) -> str:
@@ -160,7 +172,7 @@ def grid() -> dict:
         "made_by": {"package": multigpu.__version__, "commit": _git_commit() if CHECKOUT else None,
                     "source": source_hash(), "torch": torch.__version__},
         "seq_len": SEQ_LEN, "microbatches_per_stage": MICROBATCHES_PER_STAGE,
-        "categories": list(CATEGORIES), "colors": dict(COLORS), "models": parameters, "strategies": list(STRATEGIES),
+        "categories": list(CATEGORIES), "step_phase": STEP_PHASE, "colors": dict(COLORS), "models": parameters, "strategies": list(STRATEGIES),
         "gpus": list(GPU_COUNTS), "tp": list(TP_DEGREES), "dtypes": list(DTYPES), "optimizers": list(OPTIMIZERS),
         "memory": {name: size for name, size in GPUS.items()},
         "entries": entries,

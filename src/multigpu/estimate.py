@@ -515,6 +515,9 @@ def _per_rank_batch(setup: Setup, global_batch: int) -> int:
     return global_batch // per_step
 
 
+STEP_PHASE = "optimizer step"  # the phase an optimizer's step temporaries make (none for SGD)
+
+
 def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, dict[str, float]]:
     """What a rank holds, by category, at the moments one of which is the peak:
     - "forward": the end of forward, every saved activation alive (a pipeline's micro-batches
@@ -527,7 +530,7 @@ def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, d
       gradient of the stage made, the other micro-batches' activations still alive;
     - "backward": the end of backward, every gradient made, the largest being summed (an
       encoder-decoder: when the decoder's embedding is, the encoder's activations still alive);
-    - "optimizer step" (a GPU, Adam): the step's temporaries beside every model state
+    - "optimizer step" (Adam, AdamW): the step's temporaries beside every model state
       (optimizer_step_temporary)."""
     shape = model_shape(setup.model)
     width = 2 if setup.dtype == "bf16-master" else 4  # bytes of a parameter, and of its gradient
@@ -606,7 +609,7 @@ def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, d
         phases["backward, others in flight"] = {**bwd, "activations": saved - one}
     temporary = optimizer_step_temporary(setup, share)
     if temporary:  # the step itself: activations gone, every gradient held, the optimizer's temporaries
-        phases["optimizer step"] = {"params": p, "grads": psi if s == "zero1" else g, "optimizer": o + temporary,
+        phases[STEP_PHASE] = {"params": p, "grads": psi if s == "zero1" else g, "optimizer": o + temporary,
                                     "activations": 0, "other": psi if s == "ddp" else 0}
     if setup.activation_checkpointing:  # backward recomputes one block at a time
         recomputed = share.recompute[0] + share.recompute[1] * b
