@@ -33,9 +33,9 @@ import multigpu
 from multigpu.config import ConfigError
 from multigpu.estimate import (
     CATEGORIES,
-    STEP_PHASE,
     GPUS,
     PIPELINES,
+    STEP_PHASE,
     Setup,
     _cuda_overheads,
     _phases,
@@ -172,7 +172,8 @@ def grid() -> dict:
         "made_by": {"package": multigpu.__version__, "commit": _git_commit() if CHECKOUT else None,
                     "source": source_hash(), "torch": torch.__version__},
         "seq_len": SEQ_LEN, "microbatches_per_stage": MICROBATCHES_PER_STAGE,
-        "categories": list(CATEGORIES), "step_phase": STEP_PHASE, "colors": dict(COLORS), "models": parameters, "strategies": list(STRATEGIES),
+        "categories": list(CATEGORIES), "step_phase": STEP_PHASE,
+        "colors": dict(COLORS), "models": parameters, "strategies": list(STRATEGIES),
         "gpus": list(GPU_COUNTS), "tp": list(TP_DEGREES), "dtypes": list(DTYPES), "optimizers": list(OPTIMIZERS),
         "memory": {name: size for name, size in GPUS.items()},
         "entries": entries,
