@@ -43,3 +43,7 @@ AGREES = 0.15
 
 # one epoch of a ResNet image classifier with DDP, 128 samples per process: GPUs -> seconds
 RESNET_DDP_EPOCH_S = {1: 128.84, 2: 66.5, 4: 37.8}
+
+# the machine of the best-strategy chart the sources cite (by model size and batch): a name of
+# multigpu.hardware.MACHINES
+STRATEGY_CHART_MACHINE = "8xa100-nvlink"
