@@ -263,3 +263,28 @@ def test_hybrid_sharding_all_reduces_each_shard_across_replicas():
     assert "all_reduce" not in plain_calls
     assert calls["all_reduce"] == calls["reduce_scatter"]  # one per unit
     assert payload["all_reduce"] * 2 == payload["reduce_scatter"]  # the shard: 1/2 of the gradients
+
+
+def test_one_reference_serves_every_check_of_the_same_config(monkeypatch):
+    """`check` runs one device's reference once per config in a process (it is deterministic):
+    a second strategy on the same config reuses it; another seed or model is another reference."""
+    import importlib
+
+    check_module = importlib.import_module("multigpu.check")  # the module: multigpu.check is also the function
+    started = []
+
+    def fake_launch(cfg, params_path, progress):
+        started.append((cfg.strategy, cfg.seed, cfg.model))
+        torch.save({"w": torch.full((2,), float(cfg.seed))}, params_path)
+        return {"loss": [1.0, 0.5]}
+
+    monkeypatch.setattr(check_module, "launch", fake_launch)
+    monkeypatch.setattr(check_module, "_references", type(check_module._references)())
+    monkeypatch.setattr(check_module, "choose_device", lambda device, n: ("cpu", "gloo", "test"))
+    for strategy in ("ddp", "zero2"):
+        assert check_module.check(strategy, 2, steps=2)["passed"]
+    assert [s for s, *_ in started] == ["ddp", "single", "zero2"]
+    check_module.check("ddp", 2, steps=2, seed=1)
+    check_module.check("ddp", 2, steps=2, model="gpt-mini")
+    assert started[3:] == [("ddp", 1, "gpt-tiny"), ("single", 1, "gpt-tiny"), ("ddp", 0, "gpt-mini"),
+                           ("single", 0, "gpt-mini")]

@@ -4,9 +4,10 @@
 // setup, each pipeline rank's phases of a step as straight lines in the per-rank batch b: per
 // category but the optimizer's, [const, slope]; the optimizer's state apart, per optimizer and
 // rank, with what its step allocates beside it (Adam's temporaries: the "optimizer step" phase,
-// which SGD, stepping in place, does not have). This file evaluates them as multigpu.estimate.estimate does (the largest phase of the
-// largest rank, each category truncated to whole bytes) and searches the largest batch as
-// estimate.largest_batch does. window.multigpuCalculator exposes both for tests/test_site.py.
+// which SGD, stepping in place, does not have). This file evaluates them as
+// multigpu.estimate.estimate does (the largest phase of the largest rank, each category
+// truncated to whole bytes) and searches the largest batch as
+// estimate.predict_largest_batch does. window.multigpuCalculator exposes both for tests/test_site.py.
 (function () {
   "use strict";
   const GRID = window.MULTIGPU_GRID;

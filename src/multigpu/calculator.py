@@ -14,9 +14,9 @@ The optimizer changes one category only (`model_states`), so it is stored apart,
 with what its step allocates beside the states (`estimate.optimizer_step_temporary`): Adam's
 temporaries make an "optimizer step" phase, which SGD's step, updating in place, does not have.
 
-The grid is written at build time by book/_ext/calculator.py
-into the site's _static/; tests/test_site.py asks the page for sampled setups and batches and
-compares with `estimate` and `predict_largest_batch`.
+The grid is written at build time by book/_ext/calculator.py into the site's _static/;
+tests/test_site.py asks the page for sampled setups and batches and compares with `estimate`
+and `predict_largest_batch`.
 """
 
 from __future__ import annotations

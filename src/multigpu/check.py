@@ -31,15 +31,20 @@ KEPT_REFERENCES = 8  # the one-device runs a process keeps (their losses and tra
 _references: OrderedDict[str, tuple[list[float], dict]] = OrderedDict()
 
 
+def _trained(cfg: RunConfig, progress: bool | None) -> tuple[list[float], dict]:
+    """(per-step losses, rank 0's trained weights) of one run of `cfg`."""
+    with tempfile.TemporaryDirectory(prefix="multigpu-check-") as tmp:
+        path = Path(tmp, "params.pt")
+        record = launch(cfg, params_path=path, progress=progress)
+        return record["loss"], torch.load(path)
+
+
 def reference_run(reference: RunConfig, progress: bool | None = False) -> tuple[list[float], dict]:
-    """(per-step losses, trained weights) of the one-device `reference`: run once per config
-    in this process, kept for the next `check` that compares with the same config."""
+    """`_trained(reference)`, run once per config in this process and kept for the next
+    `check` that compares with the same config."""
     key = reference.to_json()
     if key not in _references:
-        with tempfile.TemporaryDirectory(prefix="multigpu-check-") as tmp:
-            path = Path(tmp, "ref.pt")
-            record = launch(reference, params_path=path, progress=progress)
-            _references[key] = (record["loss"], torch.load(path))
+        _references[key] = _trained(reference, progress)
         while len(_references) > KEPT_REFERENCES:
             _references.popitem(last=False)
     _references.move_to_end(key)
@@ -59,16 +64,13 @@ def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 
     device, _, _ = choose_device(cfg.device, world_size)
     cfg = cfg.replace(device=device)
     reference = cfg.replace(strategy="single", world_size=1, tp=1, pp=1, dp=None, grad_accum_steps=1, extra={})
-    with tempfile.TemporaryDirectory(prefix="multigpu-check-") as tmp:
-        ours_path = Path(tmp, "ours.pt")
-        ours = launch(cfg, params_path=ours_path, progress=progress)
-        ours_params = torch.load(ours_path)
+    ours_loss, ours_params = _trained(cfg, progress)
     ref_loss, ref_params = reference_run(reference, progress)
     if ours_params.keys() != ref_params.keys():
         raise RuntimeError(f"{strategy} returned parameters {sorted(set(ours_params) ^ set(ref_params))} "
                            "that the single-device model does not have (or lacks them)")
     param_diff = max((ours_params[k].float() - ref_params[k].float()).abs().max().item() for k in ref_params)
-    loss_diff = max(abs(a - b) for a, b in zip(ours["loss"], ref_loss))
+    loss_diff = max(abs(a - b) for a, b in zip(ours_loss, ref_loss))
     return {
         "strategy": strategy,
         "world_size": world_size,
@@ -77,6 +79,6 @@ def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 
         "max_abs_loss_diff": loss_diff,
         "tolerance": tolerance,
         "passed": param_diff <= tolerance and loss_diff <= tolerance,
-        "loss": ours["loss"],
+        "loss": ours_loss,
         "reference_loss": ref_loss,
     }

@@ -610,7 +610,7 @@ def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, d
     temporary = optimizer_step_temporary(setup, share)
     if temporary:  # the step itself: activations gone, every gradient held, the optimizer's temporaries
         phases[STEP_PHASE] = {"params": p, "grads": psi if s == "zero1" else g, "optimizer": o + temporary,
-                                    "activations": 0, "other": psi if s == "ddp" else 0}
+                              "activations": 0, "other": psi if s == "ddp" else 0}
     if setup.activation_checkpointing:  # backward recomputes one block at a time
         recomputed = share.recompute[0] + share.recompute[1] * b
         for name in ("backward", "backward, others in flight"):
