@@ -263,7 +263,7 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
         sync_tied(stages, tied_group)
         par.optimizer.step()
         step_loss = sum(loss.item() for loss in losses) if has_last else 0.0
-        return loss_to_all(step_loss, grid, src=last_rank)
+        return loss_to_all(step_loss, grid, rt.device, src=last_rank)
 
     # no memory tracker: its module hooks (register_multi_grad_hook) refuse the autograd.grad
     # the library's stages call in backward ("A leaf node was passed to

@@ -273,7 +273,7 @@ def prepare(model, cfg, rt) -> Parallelized:
         loss = pipe.run(micro_batches, autocast_dtype, before_forward)
         sync_tied_embedding(model, tied_group, stage, p)  # the tied weight: head's + embedding's share
         par.step()
-        return loss_to_all(loss, grid)
+        return loss_to_all(loss, grid, rt.device)
 
     def report() -> dict:
         return {"schedule": cfg.strategy, "stage": stage, "stages": p, "events": pipe.events,

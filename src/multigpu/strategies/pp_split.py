@@ -98,15 +98,17 @@ def local_grad(weight: torch.Tensor) -> torch.Tensor:
     return grad.to_local()
 
 
-def loss_to_all(loss: float, grid, src: int | None = None) -> float:
+def loss_to_all(loss: float | torch.Tensor, grid, device: torch.device, src: int | None = None) -> float:
     """The last stage's loss, on every stage of the pipeline (each records the same). `src`:
     the pipeline rank holding the last stage (default the last rank; under a V placement of
-    two stages per rank it is rank 0)."""
+    two stages per rank it is rank 0). `loss` may stay a tensor on the device until here: it
+    is read once, after the broadcast. The broadcast's tensor lives on the rank's `device`:
+    NCCL has no CPU tensors (a CPU tensor there raises "No backend type associated with
+    device type cpu")."""
     pp = grid.size("pp")
-    if pp == 1:
-        return loss
-    value = torch.tensor([loss], dtype=torch.float64)
-    dist.broadcast(value, group=grid.group("pp"), group_src=pp - 1 if src is None else src)
+    value = torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1)
+    if pp > 1:
+        dist.broadcast(value, group=grid.group("pp"), group_src=pp - 1 if src is None else src)
     return value.item()
 
 
