@@ -63,18 +63,8 @@ def processes_mentioning():
 
 @pytest.fixture(autouse=True)
 def cpu_unless_asked(monkeypatch):
-    """device="auto" picks the CPU in every test; device="cuda" still gets the GPUs."""
-    import importlib
-
-    from multigpu import experiments, runtime
-
-    check = importlib.import_module("multigpu.check")  # the module (the package exports its function)
-    choose = runtime.choose_device
-
-    def cpu_for_auto(requested: str, world_size: int):
-        return choose("cpu" if requested == "auto" else requested, world_size)
-
-    for module in (runtime, check):
-        monkeypatch.setattr(module, "choose_device", cpu_for_auto)
-    # the experiments size themselves for the machine: here, for its CPU
-    monkeypatch.setattr(experiments, "on_gpus", lambda count=1: False)
+    """device="auto" picks the CPU in every test, and in every process a test starts (workers,
+    `python -m multigpu ...` subprocesses, notebook kernels): MULTIGPU_DEVICE=cpu is read by the
+    one device plan (runtime.resolve_requested), and the experiments size themselves for this
+    machine's CPU. device="cuda" still gets the GPUs."""
+    monkeypatch.setenv("MULTIGPU_DEVICE", "cpu")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from multigpu.config import RunConfig
+from multigpu.config import ConfigError, RunConfig
 from multigpu.launch import launch
-from multigpu.runtime import choose_device
+from multigpu.runtime import device_plan
 
 # how close a bf16-mixed run must stay to one device under the same autocast: the same arithmetic
 # up to bf16 rounding (fp32 runs are held to the default tolerance of `check`)
@@ -59,9 +59,12 @@ def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 
                 lr=0.05, dataset="synthetic", track_memory=False)
     base.update(overrides)
     cfg = RunConfig(strategy=strategy, world_size=world_size, **base).validate()
-    # both runs on the same kind of device: on a 1-GPU machine the N-process run falls back
-    # to the CPU, and the reference must not run on the GPU then
-    device, _, _ = choose_device(cfg.device, world_size)
+    # both runs on the same kind of device (the device plan's): on a 1-GPU machine the
+    # N-process run falls back to the CPU, and the reference must not run on the GPU then
+    try:
+        device = device_plan(cfg).device
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     cfg = cfg.replace(device=device)
     reference = cfg.replace(strategy="single", world_size=1, tp=1, pp=1, dp=None, grad_accum_steps=1, extra={})
     ours_loss, ours_params = _trained(cfg, progress)

@@ -25,6 +25,7 @@ from multigpu import records
 from multigpu.comm import sent_bytes
 from multigpu.config import SHARDED, RunConfig
 from multigpu.launch import launch, threads_per_process
+from multigpu.runtime import machine_gpus, resolve_requested
 
 
 @dataclass
@@ -36,9 +37,15 @@ class Job:
     kwargs: dict = field(default_factory=dict)
 
 
+def gpus_here() -> int:
+    """The CUDA GPUs the experiments may use: the machine's, or none where MULTIGPU_DEVICE=cpu
+    keeps `auto` on the CPU (runtime.resolve_requested)."""
+    return 0 if resolve_requested("auto") == "cpu" else machine_gpus()
+
+
 def on_gpus(count: int = 1) -> bool:
     """Whether `count` CUDA GPUs are here: the runs then use NCCL and GPT-2 sizes."""
-    return torch.cuda.is_available() and torch.cuda.device_count() >= count
+    return gpus_here() >= count
 
 
 def ddp_device() -> str:
@@ -48,7 +55,17 @@ def ddp_device() -> str:
 
 def max_world_size() -> int:
     """Processes the scaling sweeps go up to: every GPU (if 2 or more), or 4 CPU processes."""
-    return torch.cuda.device_count() if on_gpus(2) else 4
+    return gpus_here() if on_gpus(2) else 4
+
+
+def tp_degrees(model: str, seq_len: int) -> list[int]:
+    """The tensor-parallel degrees of the tp sweeps: 2, and the largest degree up to every GPU
+    (up to 4 processes on a CPU) that splits the model's heads, MLP and vocabulary evenly, with
+    sequence parallelism too (on 6 GPUs, gpt-small's 8 heads take 4)."""
+    from multigpu.models import tensor_parallel_problems
+
+    fits = [t for t in range(2, max_world_size() + 1) if not tensor_parallel_problems(model, t, seq_len, True)]
+    return sorted({2, max(fits, default=2)})
 
 
 def _one_device_memory() -> list[RunConfig]:
@@ -333,7 +350,7 @@ def _tp_scaling() -> list[RunConfig]:
                      dataset="dummy", device=ddp_device(), threads_per_worker=None if on_gpus(2) else 1)
     runs = [base]
     for repeat in range(2):
-        for tp in sorted({2, max_world_size()}):  # (on 2 GPUs, once)
+        for tp in tp_degrees(model, seq):  # (on 2 GPUs, once)
             for sp in (False, True):
                 for strategy in ("tp-scratch", "tp"):
                     runs.append(base.replace(strategy=strategy, world_size=tp,

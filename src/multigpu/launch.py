@@ -129,7 +129,7 @@ def launch(
     choice. Every node gets the record back.
     check_memory: refuse, before any worker starts, a run the estimator says cannot fit in
     this machine's free memory (`memory_problem`)."""
-    from multigpu.runtime import choose_device
+    from multigpu.runtime import LOOPBACK_HOSTS, device_plan
 
     cfg.validate()
     if port is not None and (not isinstance(port, int) or not 1 <= port <= 65535):
@@ -138,10 +138,13 @@ def launch(
     if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout_s!r}")
     per_node = check_nodes(cfg, nnodes, node_rank, rdzv_endpoint, port)
+    # nodes meeting on a loopback address are stand-ins on this one machine: they share its GPUs
+    on_loopback = rdzv_endpoint is not None and str(rdzv_endpoint).rpartition(":")[0] in LOOPBACK_HOSTS
     try:
-        device, backend, why = choose_device(cfg.device, per_node)
+        plan = device_plan(cfg, nnodes=nnodes, node_rank=node_rank, nodes_here=nnodes if on_loopback else 1)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    device, why = plan.device, plan.why
     if check_memory:
         problem = memory_problem(cfg, device, per_node)
         if problem:
@@ -166,7 +169,8 @@ def launch(
     out_dir = Path(tempfile.mkdtemp(prefix="multigpu-run-"))
     try:  # whatever happens, the run's folder goes away
         return _run(cfg, device, rendezvous, out_dir, timeout_s=timeout_s, progress=progress,
-                    params_path=params_path, verbose=verbose, nnodes=nnodes, endpoint=rdzv_endpoint)
+                    params_path=params_path, verbose=verbose, nnodes=nnodes, endpoint=rdzv_endpoint,
+                    first_gpu=plan.first_gpu)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
 
@@ -174,17 +178,35 @@ def launch(
 def available_bytes(device: str) -> int | None:
     """Memory a worker could still take: the free memory of GPU 0, or the host's
     MemAvailable (Linux's estimate of what can be allocated without swapping); None where
-    it cannot be read."""
-    if device == "cuda":
-        import torch
+    it cannot be read.
 
-        return torch.cuda.mem_get_info(0)[0]
+    A GPU's free memory is read from NVML (the driver's management library), not with
+    torch.cuda.mem_get_info: that would make a CUDA context on GPU 0 in the calling process
+    (a notebook kernel, `multigpu figures`), which holds a few hundred MiB of that GPU for as
+    long as the process lives. Without NVML (the nvidia-ml-py package) the screen is skipped:
+    a run too large for the GPU then stops at its first step with CUDA's out-of-memory error."""
+    if device == "cuda":
+        return _nvml_free_bytes(0)
     try:
         with open("/proc/meminfo") as f:
             found = re.search(r"^MemAvailable:\s+(\d+) kB", f.read(), re.M)
     except OSError:
         return None
     return int(found.group(1)) * 1024 if found else None
+
+
+def _nvml_free_bytes(index: int) -> int | None:
+    """Free memory of CUDA device `index` (as CUDA_VISIBLE_DEVICES numbers it) from NVML, or
+    None where NVML is not installed or does not answer."""
+    try:
+        import pynvml
+        import torch
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(index))
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+    except Exception:  # no pynvml, no driver, an index NVML does not know: no screen
+        return None
 
 
 def memory_problem(cfg: RunConfig, device: str, per_node: int) -> str | None:
@@ -254,10 +276,11 @@ def check_nodes(cfg: RunConfig, nnodes, node_rank, rdzv_endpoint, port) -> int:
 
 
 def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, timeout_s, progress,
-         params_path, verbose, nnodes: int = 1, endpoint: str | None = None) -> dict:
+         params_path, verbose, nnodes: int = 1, endpoint: str | None = None, first_gpu: int = 0) -> dict:
     (out_dir / "config.json").write_text(cfg.to_json())
     args = ["-m", "multigpu.worker", "--config", str(out_dir / "config.json"), "--out", str(out_dir),
-            "--device", device, *(["--save-params"] if params_path is not None else [])]
+            "--device", device, "--first-gpu", str(first_gpu),
+            *(["--save-params"] if params_path is not None else [])]
     start = time.monotonic()
     per_node = cfg.processes // nnodes
     try:

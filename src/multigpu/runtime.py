@@ -90,28 +90,116 @@ class Runtime:
         return self.rank == 0
 
 
-def choose_device(requested: str, world_size: int) -> tuple[str, str, str]:
-    """('cuda', 'nccl', why) when the machine has a GPU for every worker, else CPU and gloo."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if requested == "cuda" and gpus < world_size:
+# How `device="auto"` resolves on this machine when set: "cpu" keeps every auto run on the CPU
+# (the test suite sets it, so that it reaches the workers, subprocesses and notebook kernels it
+# starts); "cuda" makes auto ask for the GPUs. A run that names its device is not affected.
+DEVICE_ENV = "MULTIGPU_DEVICE"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Which device and backend every rank of one launch gets, decided before anything starts
+    (`plan_devices`). `gpus`: the GPU index of each local rank of this node (one-process
+    strategies: of each replica), () on the CPU."""
+
+    device: str  # "cuda" or "cpu"
+    backend: str  # "nccl" or "gloo" (a one-process run still joins a group of one)
+    gpus: tuple[int, ...]
+    why: str
+
+    @property
+    def first_gpu(self) -> int:
+        """Local rank r of this node runs on GPU first_gpu + r."""
+        return self.gpus[0] if self.gpus else 0
+
+
+def plan_devices(requested: str, *, processes: int, gpus: int, replicas: int = 1, nnodes: int = 1,
+                 nodes_here: int = 1, node_rank: int = 0) -> DevicePlan:
+    """The one rule for devices, a pure function of what a launch is and what the machine has.
+
+    requested: "auto", "cpu" or "cuda" (already resolved against MULTIGPU_DEVICE).
+    processes: the worker processes this node starts; replicas: the devices each process
+    drives itself (DataParallel's replicas are threads of one process; otherwise 1).
+    gpus: the CUDA GPUs this machine shows. nnodes: the nodes of the job; nodes_here: how many
+    of them run on this very machine (stand-in nodes on a loopback rendezvous share its GPUs:
+    each takes its own GPUs, node_rank's block).
+
+    NCCL refuses two ranks of one communicator on one GPU, and DataParallel needs a GPU per
+    replica: CUDA is used only with a GPU for every rank (or replica) on this machine. Asked
+    for by name and short of GPUs, the plan is refused with the count; `auto` falls back to the
+    CPU and gloo, and says why."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {requested!r}")
+    for name, value in (("processes", processes), ("replicas", replicas), ("nnodes", nnodes),
+                        ("nodes_here", nodes_here)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if not isinstance(gpus, int) or gpus < 0:
+        raise ValueError(f"gpus must be a whole number >= 0, got {gpus!r}")
+    if nodes_here > nnodes or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank {node_rank} / nodes_here {nodes_here} do not fit {nnodes} node(s)")
+    per_node = processes * replicas  # devices one node drives
+    needed = per_node * nodes_here  # GPUs this machine must have, one per rank or replica
+    what = (f"{replicas} replicas" if replicas > 1 else f"{processes} process(es)") + (
+        f" on each of {nodes_here} nodes on this machine" if nodes_here > 1 else "")
+    if requested == "cpu":
+        return DevicePlan("cpu", "gloo", (), "gloo on CPU (as asked)")
+    if gpus >= needed:
+        first = (node_rank % nodes_here) * per_node
+        where = f"GPUs {first}-{first + per_node - 1}" if per_node > 1 else f"GPU {first}"
+        return DevicePlan("cuda", "nccl", tuple(range(first, first + per_node)),
+                          f"NCCL on {where} of {gpus} CUDA GPU(s)")
+    if requested == "cuda":
         raise ValueError(
-            f"device='cuda' needs {world_size} CUDA GPU(s), this machine has {gpus}; "
-            "use device='cpu' or 'auto', or fewer processes"
-        )
-    if requested != "cpu" and gpus >= world_size:
-        return "cuda", "nccl", f"NCCL on {world_size} of {gpus} CUDA GPU(s)"
-    why = "as asked" if requested == "cpu" else f"this machine has {gpus} CUDA GPU(s) for {world_size} worker(s)"
-    return "cpu", "gloo", f"gloo on CPU ({why})"
+            f"device='cuda' needs a CUDA GPU for each of {what} ({needed} in all; NCCL refuses two ranks on "
+            f"one GPU), this machine has {gpus}; use device='cpu' or 'auto' (gloo on the CPU), or fewer "
+            "processes")
+    return DevicePlan("cpu", "gloo", (), f"gloo on CPU (this machine has {gpus} CUDA GPU(s) for {what})")
 
 
-def init(device_type: str, timeout_s: float = 300) -> Runtime:
-    """Join the process group torchrun set up; pin this process to its GPU if any."""
+def machine_gpus() -> int:
+    """The CUDA GPUs this machine shows (device_count makes no CUDA context)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_requested(requested: str) -> str:
+    """`auto` as MULTIGPU_DEVICE says it should resolve here; a named device is kept."""
+    forced = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if forced and forced not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={forced!r} must be auto, cpu or cuda (or unset)")
+    return forced if requested == "auto" and forced else requested
+
+
+def device_plan(cfg, *, nnodes: int = 1, node_rank: int = 0, nodes_here: int = 1,
+                gpus: int | None = None) -> DevicePlan:
+    """`plan_devices` for a RunConfig as `launch` starts it on this machine: what is used by
+    `launch`, `check`, the experiments and the chapters. `gpus`: the machine's GPU count
+    (default: this machine's)."""
+    one_process = cfg.info.one_process and cfg.info.spans != "none"  # dp: replicas in one process
+    return plan_devices(resolve_requested(cfg.device), processes=cfg.processes // nnodes,
+                        replicas=cfg.world_size if one_process else 1,
+                        gpus=machine_gpus() if gpus is None else gpus,
+                        nnodes=nnodes, nodes_here=nodes_here, node_rank=node_rank)
+
+
+def choose_device(requested: str, world_size: int) -> tuple[str, str, str]:
+    """(device, backend, why) for `world_size` processes of one node on this machine: the
+    device plan's answer for a plain multi-process run."""
+    plan = plan_devices(resolve_requested(requested), processes=world_size, gpus=machine_gpus())
+    return plan.device, plan.backend, plan.why
+
+
+def init(device_type: str, timeout_s: float = 300, first_gpu: int = 0) -> Runtime:
+    """Join the process group torchrun set up; pin this process to its GPU if any: local rank r
+    takes GPU first_gpu + r (the device plan's, so that stand-in nodes on one machine do not
+    share GPUs)."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(first_gpu + local_rank)
+        device, backend = torch.device("cuda", first_gpu + local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     # device_id binds NCCL to this GPU now: start-up errors surface here, and barriers know

@@ -119,6 +119,7 @@ def main(argv=None) -> NoReturn:
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--first-gpu", type=int, default=0, help="local rank r runs on GPU first_gpu + r")
     parser.add_argument("--save-params", action="store_true", help="rank 0 writes params.pt")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)  # a launcher other than ours may not have made it
@@ -127,7 +128,7 @@ def main(argv=None) -> NoReturn:
         from multigpu.train import train
 
         cfg = RunConfig.from_dict(json.loads(args.config.read_text()))
-        rt = runtime.init(args.device)
+        rt = runtime.init(args.device, first_gpu=args.first_gpu)
         result = train(cfg, rt, keep_params=args.save_params)
         state_dict = result.pop("state_dict")
         gathered = [None] * rt.world_size
