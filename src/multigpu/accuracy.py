@@ -33,9 +33,23 @@ def measured_categories(record: dict, rank: int = 0) -> dict[str, int]:
     return out
 
 
-def setup_of(record: dict) -> Setup | None:
-    """The estimator's question for a recorded run, or None for a strategy it does not model
-    (also: ddp-scratch with tp, HSDP's replicas, FSDP wrapping anything but blocks)."""
+# what an estimate is held against: the memory tracker counts tensors (a record's
+# peak_memory_bytes_by_rank), the CUDA caching allocator also what cuBLAS allocates raw from it
+AGAINST = ("allocator", "tracker")
+
+
+def setup_of(record: dict, against: str = "allocator") -> Setup | None:
+    """The estimator's question for a recorded run (or a run about to start: its config and
+    provenance), or None for a strategy it does not model (also: ddp-scratch with tp, HSDP's
+    replicas, FSDP wrapping anything but blocks).
+
+    `against`: what the estimate will be held against. "allocator" (the default: what a GPU
+    must hold, as `launch.memory_problem` and the machine's calibration ask) counts cuBLAS's
+    workspaces on a GPU; "tracker" (a record's categories, `against_records`) leaves them
+    out, since MemTracker never sees them. Both keep the allocator's 512-byte rounding, which
+    MemTracker applies on CUDA too. On a CPU the two are the same question."""
+    if against not in AGAINST:
+        raise ValueError(f"against must be one of {AGAINST}, got {against!r}")
     from multigpu.config import RunConfig
     from multigpu.models import default_seq_len
 
@@ -52,14 +66,21 @@ def setup_of(record: dict) -> Setup | None:
 
         if microbatch_problem(_AS_ESTIMATED[c["strategy"]], c["grad_accum_steps"], grid["pp"]):
             return None
+    prov = record["provenance"]
+    on_cuda, workspaces = prov["device_type"] == "cuda", 0
+    if on_cuda and against == "allocator":
+        # the workspace size torch reported on the run's GPU, or else its compute capability, where
+        # the record kept them (records.provenance, on CUDA); else (records written before, a run
+        # about to start) estimate.py's rule by the GPU's name
+        capability = prov.get("compute_capability")
+        workspaces = cublas_workspace_bytes(prov["device_names"][0], tuple(capability) if capability else None,
+                                            prov.get("cublas_workspace_size_bytes"))
     return Setup(model=c["model"], strategy=_AS_ESTIMATED[c["strategy"]], world_size=c["world_size"],
                  seq_len=c["seq_len"] or default_seq_len(c["model"]), dtype=c["dtype"], optimizer=c["optimizer"],
                  activation_checkpointing=c["activation_checkpointing"], grad_accum_steps=c["grad_accum_steps"],
                  reshard_after_forward=extra.get("reshard_after_forward", True),
-                 bucket_cap_mb=c["bucket_cap_mb"], backend=record["provenance"]["backend"],
-                 on_cuda=record["provenance"]["device_type"] == "cuda",
-                 cuda_workspace_bytes=cublas_workspace_bytes(record["provenance"]["device_names"][0])
-                 if record["provenance"]["device_type"] == "cuda" else 0,
+                 bucket_cap_mb=c["bucket_cap_mb"], backend=prov["backend"], on_cuda=on_cuda,
+                 cuda_workspace_bytes=workspaces,
                  tp=grid["tp"], pp=grid["pp"], sequence_parallel=bool(extra.get("sequence_parallel")))
 
 
@@ -92,7 +113,7 @@ def against_records(records: list[dict]) -> list[dict]:
     highest), and the relative error of the total."""
     rows = []
     for r in records:
-        setup = setup_of(r)
+        setup = setup_of(r, against="tracker")
         peak = (r.get("peak_memory_bytes_by_rank") or [None])[0] or {}
         if setup is None or not peak.get("total") or any(peak.get(c) is None for c in CATEGORIES):
             # a strategy the estimator does not model, a run that did not track memory, or
@@ -166,7 +187,7 @@ def machine_rows(device: str) -> list[dict]:
     rows = []
     for tag in records.machines_with(CALIBRATED_BY):
         for record in records.load(CALIBRATED_BY, tag):
-            setup, measured = setup_of(record), machine_peak(record)
+            setup, measured = setup_of(record, against="allocator"), machine_peak(record)
             if setup is None or measured is None or setup.on_cuda != (device == "cuda"):
                 continue
             c = record["config"]

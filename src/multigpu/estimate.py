@@ -53,17 +53,35 @@ GPUS = {  # name -> the memory its name says, read as GiB; the usable amount is 
 }
 
 
-def cublas_workspace_bytes(gpu_name: str | None) -> int:
+def cublas_workspace_bytes(gpu_name: str | None, capability: tuple[int, int] | None = None,
+                           workspace_size: int | None = None) -> int:
     """What cuBLAS's workspaces take of a GPU during training, through the caching allocator
-    (so `torch.cuda.max_memory_allocated` counts them): one workspace per (handle, stream),
-    and a step uses two handles, the forward's thread and autograd's backward thread. Each is
-    4096 KiB x 8 = 32 MiB on Hopper and later, 4096 KiB x 2 + 16 KiB x 8 = 8.125 MiB before
-    (torch 2.13, aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize; the map of
-    workspaces per handle and stream: ATen/cuda/CUDAContextLight.h). 0 off a GPU."""
+    (so `torch.cuda.max_memory_allocated` counts them; the memory tracker, which counts
+    tensors, does not): one workspace per (handle, stream), and a step uses two handles, the
+    forward's thread and autograd's backward thread (the map of workspaces per handle and
+    stream: ATen/cuda/CUDAContextLight.h). 0 off a GPU.
+
+    One workspace's size, best known first:
+    - `workspace_size`: what torch itself said on the run's GPU
+      (`torch.backends.cuda.cublas_workspace_size()`, recorded in a record's provenance); it
+      also follows CUBLAS_WORKSPACE_CONFIG, which nothing below can know;
+    - `capability`, the GPU's compute capability (major, minor): 4096 KiB x 8 = 32 MiB on
+      majors 9, 10 and 12 and on sm 11.0 (pytorch PRs #175344 and #189312,
+      aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize), else
+      4096 KiB x 2 + 16 KiB x 8 = 8.125 MiB;
+    - the GPU's name, where nothing else is known (a --gpu name, a record written before
+      provenance kept the two above): 32 MiB for the Hopper and data-centre Blackwell names
+      below (GH200 and GB200/GB300 contain them)."""
+    if workspace_size is not None:
+        return 2 * workspace_size
+    large, small = 4096 * 1024 * 8, 4096 * 1024 * 2 + 16 * 1024 * 8
+    if capability is not None:
+        major, minor = capability
+        return 2 * (large if major in (9, 10, 12) or (major, minor) == (11, 0) else small)
     if not gpu_name:
         return 0
-    hopper = any(tag in gpu_name.lower() for tag in ("h100", "h200", "h800", "gh200", "b100", "b200", "gb200"))
-    return 2 * (32 * 2**20 if hopper else 4096 * 1024 * 2 + 16 * 1024 * 8)
+    hopper = any(tag in gpu_name.lower() for tag in ("h100", "h200", "h800", "b100", "b200", "b300"))
+    return 2 * (large if hopper else small)
 
 
 def allocator_rounding_bytes(setup: Setup) -> int:

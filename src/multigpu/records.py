@@ -100,7 +100,19 @@ def provenance(backend: str, world_size: int, device_type: str, threads_per_work
         "cpu_count": os.cpu_count(),
         "threads_per_worker": threads_per_worker,
         "machine_tag": machine_tag(device_type),
+        **(_cuda_facts() if cuda else {}),
     }
+
+
+def _cuda_facts() -> dict:
+    """What the memory estimate needs to know of this process's GPU, from torch itself
+    (multigpu.estimate.cublas_workspace_bytes): one cuBLAS workspace's size as this torch
+    chooses it (by architecture, or CUBLAS_WORKSPACE_CONFIG), and the compute capability.
+    A torch without `cublas_workspace_size` (before 2.13) leaves the size out: the estimate
+    then goes by the capability."""
+    size = getattr(torch.backends.cuda, "cublas_workspace_size", None)
+    return {"compute_capability": list(torch.cuda.get_device_capability()),
+            **({"cublas_workspace_size_bytes": size()} if size else {})}
 
 
 def executed_here() -> str:
