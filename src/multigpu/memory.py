@@ -187,10 +187,15 @@ class ProcessPeaks:
       step starts from the resident set the last one left.
     Both are given above a baseline taken before the model was built (`begin`), so that they
     count what the tracker counts (the model, its gradients, optimizer state, activations) plus
-    what only the machine sees. Where neither instrument exists, None."""
+    what only the machine sees. Where neither instrument exists, None.
+
+    One process may drive several GPUs (dp: nn.DataParallel's replicas, whose peaks the
+    strategy reads itself); `reset_also` names them, so that every step starts each one's
+    peak from zero, as it does the process's own device's."""
 
     def __init__(self, device: torch.device):
         self.device, self.cuda = device, device.type == "cuda"
+        self.reset_devices = [device]  # every CUDA device whose peak statistics a step starts from zero
         self.baseline = self._now()
         self.peak_by_step: list[int | None] = []
         self.reserved_by_step: list[int] = []
@@ -199,9 +204,15 @@ class ProcessPeaks:
     def _now(self) -> int | None:
         return torch.cuda.memory_allocated(self.device) if self.cuda else _proc_status("VmRSS")
 
+    def reset_also(self, devices) -> None:
+        """Reset these devices' peaks too as each step begins (on CUDA; a CPU has one resident set)."""
+        if self.cuda:
+            self.reset_devices += [torch.device(d) for d in devices if torch.device(d) not in self.reset_devices]
+
     def start_step(self) -> None:
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            for device in self.reset_devices:
+                torch.cuda.reset_peak_memory_stats(device)
             return
         try:
             with open("/proc/self/clear_refs", "w") as refs:

@@ -64,6 +64,12 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
     model.to(rt.device)
     parameters = sum(p.numel() for p in model.parameters())  # before sharding hides them
     par = strategies.prepare(model, cfg, rt)
+    # from here on the strategy's own references keep what it trains (par.model, its stages);
+    # ours would keep the whole model alive, on the device, until training ends, wherever a
+    # strategy trains copies or pieces of it rather than the model itself
+    del model
+    # a process driving several GPUs (dp) reads every one's peak: each step resets them all
+    machine.reset_also(getattr(par.module, "peak_devices", ()))
 
     seq_len = cfg.seq_len or default_seq_len(cfg.model)
     dataset = TokenDataset(cfg.model, cfg.dataset, cfg.num_samples, seq_len, vocab_size(cfg.model), cfg.seed)

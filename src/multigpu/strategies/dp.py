@@ -63,6 +63,9 @@ class GPUDataParallel(nn.Module):
         super().__init__()
         self.dp = nn.DataParallel(_Logits(model), device_ids=list(range(replicas)))
         self.replicas = replicas
+        # the devices whose allocator peaks `report` reads: the training loop resets them all as
+        # each step begins (ProcessPeaks.reset_also), so every replica's peak is the last step's
+        self.peak_devices = [torch.device("cuda", i) for i in self.dp.device_ids]
 
     def forward(self, labels, **inputs):
         self.dp.module.autocast = {"device_type": "cuda", "enabled": torch.is_autocast_enabled("cuda"),
@@ -70,9 +73,10 @@ class GPUDataParallel(nn.Module):
         return loss_from_logits(self.dp(**inputs), labels)
 
     def report(self, optimizer) -> dict:
-        """On GPUs the allocator measures each device's peak; categories are not split, so
-        they are None (not measured)."""
-        peaks = [torch.cuda.max_memory_allocated(i) for i in range(self.replicas)]
+        """On GPUs the allocator measures each device's peak over the last step (the training
+        loop resets every one of `peak_devices` as a step begins); categories are not split,
+        so they are None (not measured)."""
+        peaks = [torch.cuda.max_memory_allocated(d) for d in self.peak_devices]
         return {"implementation": self.implementation,
                 "peak_memory_bytes_by_replica": [dict.fromkeys(CATEGORIES) | {"total": p} for p in peaks]}
 
