@@ -68,3 +68,10 @@ def cpu_unless_asked(monkeypatch):
     one device plan (runtime.resolve_requested), and the experiments size themselves for this
     machine's CPU. device="cuda" still gets the GPUs."""
     monkeypatch.setenv("MULTIGPU_DEVICE", "cpu")
+
+
+@pytest.fixture(autouse=True)
+def device_rule_guarded(monkeypatch):
+    """Every worker a test starts checks the device rule (multigpu.device_guard): a tensor made
+    on the host by default and handed to a collective fails the run here, as NCCL would on GPUs."""
+    monkeypatch.setenv("MULTIGPU_DEVICE_GUARD", "1")

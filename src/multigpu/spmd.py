@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from multigpu import runtime
+from multigpu import device_guard, runtime
 from multigpu.config import ConfigError, max_cpu_workers
 
 
@@ -70,6 +70,7 @@ def main(argv=None) -> NoReturn:
         module, _, name = args.target.partition(":")
         fn = getattr(importlib.import_module(module), name)
         kwargs = pickle.loads((args.out / "kwargs.pkl").read_bytes())
+        device_guard.install_if_asked()
         runtime.init("cpu")
         write_atomic(args.out / f"result-rank{rank}.pkl", pickle.dumps(fn(**kwargs)))
         dist.barrier()

@@ -22,7 +22,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from multigpu import runtime
+from multigpu import device_guard, runtime
 from multigpu.config import RunConfig
 from multigpu.memory import CATEGORIES
 
@@ -128,6 +128,7 @@ def main(argv=None) -> NoReturn:
         from multigpu.train import train
 
         cfg = RunConfig.from_dict(json.loads(args.config.read_text()))
+        guarded = device_guard.install_if_asked()  # the test suite checks the device rule in every run
         rt = runtime.init(args.device, first_gpu=args.first_gpu)
         result = train(cfg, rt, keep_params=args.save_params)
         state_dict = result.pop("state_dict")
@@ -136,7 +137,9 @@ def main(argv=None) -> NoReturn:
         if rt.local_rank == 0:  # every node's launcher gets the record (all ranks have every result)
             if args.save_params:
                 torch.save(state_dict, args.out / "params.pt")
-            write_atomic(args.out / "record.json", json.dumps(build_record(cfg, rt, gathered)).encode())
+            record = build_record(cfg, rt, gathered)
+            record["device_rule_checked"] = guarded  # every collective's tensor was on the rank's device
+            write_atomic(args.out / "record.json", json.dumps(record).encode())
         dist.barrier()
 
     run_worker(args.out, body)

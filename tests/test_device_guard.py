@@ -1,0 +1,71 @@
+"""The device rule's guard (multigpu.device_guard): a tensor made on the host by default and
+handed to a collective by this package fails on a CPU run as it would under NCCL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multigpu import device_guard
+from multigpu.config import RunConfig
+from multigpu.device_guard import DeviceRuleError, HostTensors, watching
+from multigpu.launch import launch
+from multigpu.strategies.pp_split import loss_to_all
+
+
+class _Pipeline:
+    """A grid of two pipeline stages whose group is this one process (a broadcast from 0)."""
+
+    def size(self, dim):
+        return 2
+
+    def group(self, dim):
+        return dist.group.WORLD
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_host_tensor_in_a_pipeline_broadcast_fails(one_process_group):
+    """G2 as it was: the loss made without a device and broadcast over the pipeline group."""
+    with watching(), pytest.raises(DeviceRuleError, match=r"dist\.broadcast at .*pp_split\.py.*made on the host"):
+        loss_to_all(1.5, _Pipeline(), device=None, src=0)
+    with watching():  # as it is now: on the rank's device
+        assert loss_to_all(torch.tensor(1.5, device="cpu"), _Pipeline(), torch.device("cpu"), src=0) == 1.5
+        assert loss_to_all(1.5, _Pipeline(), torch.device("cpu"), src=0) == 1.5
+
+
+def test_marks_follow_the_tensor():
+    with HostTensors():
+        host = torch.tensor([1.0, 2.0])
+        placed = torch.zeros(2, device="cpu")
+        assert hasattr(host, device_guard._MARK) and not hasattr(placed, device_guard._MARK)
+        assert hasattr(torch.cat([host, host]), device_guard._MARK)  # from host tensors alone
+        assert hasattr(host.to(torch.float64), device_guard._MARK)  # a dtype is not a device
+        assert not hasattr(host * placed, device_guard._MARK)  # joined with a placed tensor
+        placed.add_(host)  # in place: the placed tensor stays placed
+        assert not hasattr(placed, device_guard._MARK)
+        moved = host.to(placed.device)
+        assert not hasattr(moved, device_guard._MARK)
+
+
+def test_guard_is_only_on_when_asked(monkeypatch):
+    monkeypatch.setenv("MULTIGPU_DEVICE_GUARD", "0")
+    assert device_guard.install_if_asked() is False
+    assert not getattr(dist.broadcast, "_multigpu_guarded", False)
+
+
+@pytest.mark.slow
+def test_every_worker_the_tests_start_is_guarded():
+    """conftest sets MULTIGPU_DEVICE_GUARD=1: the worker records that it checked the rule, so
+    every parity run of the suite has run under the guard."""
+    record = launch(RunConfig(strategy="pp-1f1b-scratch", world_size=2, model="gpt-mini", grad_accum_steps=2,
+                              steps=1, track_memory=False), progress=False)
+    assert record["device_rule_checked"] is True
