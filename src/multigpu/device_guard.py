@@ -77,6 +77,20 @@ def _names_a_device(func, args, kwargs) -> bool:
                for a in args[1:])
 
 
+def _marked_input(args) -> torch.Tensor | None:
+    """The first marked tensor among the arguments (and in lists of them, as torch.cat takes),
+    or None: the common case, found without flattening every call's arguments."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if hasattr(a, _MARK):
+                return a
+        elif isinstance(a, (list, tuple)):
+            for t in a:
+                if isinstance(t, torch.Tensor) and hasattr(t, _MARK):
+                    return t
+    return None
+
+
 class HostTensors(TorchFunctionMode):
     """Marks tensors made on the host by default, and what is computed from them alone."""
 
@@ -85,20 +99,26 @@ class HostTensors(TorchFunctionMode):
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if func in _MOVES:
-            if _names_a_device(func, args, kwargs) and hasattr(out, _MARK):
-                delattr(out, _MARK)
-            elif inputs and hasattr(inputs[0], _MARK) and out is not inputs[0]:
-                setattr(out, _MARK, getattr(inputs[0], _MARK))  # .to(dtype): still on the host
+        if func in _FACTORIES:
+            if (kwargs.get("device") is None or func is torch.from_numpy) and _marked_input(args) is None \
+                    and not any(isinstance(a, torch.Tensor) for a in args):
+                setattr(out, _MARK, _made_where())
             return out
+        marked = _marked_input(args)
+        if marked is None:  # nothing made on the host went in: nothing to follow
+            return out
+        if func in _MOVES:
+            if _names_a_device(func, args, kwargs):
+                if hasattr(out, _MARK):
+                    delattr(out, _MARK)
+            elif out is not marked:
+                setattr(out, _MARK, getattr(marked, _MARK))  # .to(dtype): still on the host
+            return out
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if any(out is t for t in inputs):  # in place: the tensor stays where it was
             return out
-        if func in _FACTORIES and not inputs:
-            if kwargs.get("device") is None or func is torch.from_numpy:
-                setattr(out, _MARK, _made_where())
-        elif inputs and all(hasattr(t, _MARK) for t in inputs):
-            setattr(out, _MARK, getattr(inputs[0], _MARK))
+        if all(hasattr(t, _MARK) for t in inputs):
+            setattr(out, _MARK, getattr(marked, _MARK))
         return out
 
 
