@@ -567,6 +567,16 @@ def tp_speedup_by_width(widths: list[int], measured: list[float], predicted: lis
 ACTION_COLORS = {"F": BLUE, "B": ORANGE, "W": GREEN}
 
 
+def _timeline_clock(records) -> str:
+    """What a pipeline timeline's times are, for its axis: nothing to add on a CPU (the host is
+    the device); on a GPU the GPU's time only where every rank's log says it used CUDA events
+    (the report's "clock"), else the host's, which saw kernels queued, not run."""
+    if all(r.get("provenance", {}).get("device_type") != "cuda" for r in records):
+        return ""
+    clocks = {x.get("clock") for r in records for x in r.get("strategy_report_by_rank") or [r]}
+    return " (GPU time: CUDA events)" if clocks == {"cuda-events"} else " (host clock: kernels queued, not GPU time)"
+
+
 def pipeline_timeline(events_by_rank: list[list[dict]], starts_unix: list[float], records, title: str, ax=None):
     """One row per rank, one box per action (F forward, B backward, W weight gradient),
     labelled with its micro-batch; the gaps are the bubble. Ranks are lined up on the wall
@@ -590,7 +600,7 @@ def pipeline_timeline(events_by_rank: list[list[dict]], starts_unix: list[float]
                 ax.text(left + width / 2, rank, str(e["micro"]), ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(len(events_by_rank)), [f"rank {r}" for r in range(len(events_by_rank))])
     ax.invert_yaxis()
-    ax.set_xlabel("ms from the step's start")
+    ax.set_xlabel(f"ms from the step's start{_timeline_clock(records)}")
     ax.set_title(title, fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ACTION_COLORS.values()]
     ax.legend(handles, ["forward", "backward", "weight gradient"], fontsize=7, loc="upper center",

@@ -53,7 +53,6 @@ Options: none. The strategy name picks the schedule (`SCHEDULES`); m is grad_acc
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +68,7 @@ from torch.distributed.pipelining import (
 
 from multigpu.models import GPT, loss_from_logits
 from multigpu.strategies import Parallelized, build_optimizer, compose
+from multigpu.strategies.pp_scratch import ActionClock
 from multigpu.strategies.pp_split import (
     gather_state_dict,
     local_grad,
@@ -133,13 +133,20 @@ class StageModule(nn.Module):
 
 def build_stages(model: GPT, schedule: Schedule, rank: int, p: int, device: torch.device,
                  cfg=None, grid=None) -> list[StageModule]:
-    """This rank's stages, each cut from its own copy of the whole model (step 1 of the
-    order in `compose.py`), then, given `cfg` and `grid`, steps 2-4 on each stage: tensor
-    parallel, activation checkpointing, FSDP with the stage as its root (the library's stage
-    drives FSDP only when the module it calls is the FSDP module)."""
+    """This rank's stages, cut from the whole model (step 1 of the order in `compose.py`),
+    then, given `cfg` and `grid`, steps 2-4 on each stage: tensor parallel, activation
+    checkpointing, FSDP with the stage as its root (the library's stage drives FSDP only when
+    the module it calls is the FSDP module).
+
+    `model` itself becomes the first of them, cut in place (as the from-scratch pipeline cuts
+    it), and only a rank's further stages are cut from copies: no whole model stays behind on
+    the device. Each copy is made from the uncut model and cut at once, so at most one extra
+    whole model exists at a time, and only while the stages are built."""
     num_stages = p * schedule.stages_per_rank
-    stages = [StageModule(split_gpt(copy.deepcopy(model), i, num_stages), i, num_stages, device.type).to(device)
-              for i in stage_indices(schedule, rank, p)]
+    first, *others = stage_indices(schedule, rank, p)
+    pieces = {i: split_gpt(copy.deepcopy(model), i, num_stages) for i in others}
+    pieces[first] = split_gpt(model, first, num_stages)
+    stages = [StageModule(pieces[i], i, num_stages, device.type).to(device) for i in (first, *others)]
     if cfg is not None:
         for stage in stages:  # the schedule computes the loss from whole logits: no loss_parallel
             compose.parallelize(stage.piece, cfg, grid, shard=grid.size("dp") > 1, root=stage, loss_parallel=False,
@@ -233,9 +240,9 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
     # ranks holding the first and the last stage (creating a group is collective: all call it)
     tied_group = tied_embedding_group(grid) if schedule.placement == "loop" and p > 1 else None
     pipeline_stages = [PipelineStage(s, s.index, num_stages, rt.device, group=grid.group("pp")) for s in stages]
-    events, clock = [], [0.0]  # every action of the last step, as the from-scratch pipeline logs them
+    clock = ActionClock(rt.device)  # every action of the last step, as the from-scratch pipeline logs them
     for ps in pipeline_stages:
-        log_actions(ps, events, clock)
+        log_actions(ps, clock)
     loss_fn = lambda logits, labels: loss_from_logits(logits, labels) / m  # noqa: E731
     if schedule.stages_per_rank == 1:
         runner = schedule.cls(pipeline_stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
@@ -244,14 +251,12 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
     local = nn.ModuleList(stages)
     optimizer = build_optimizer(local.parameters(), cfg)
     has_first, has_last = stages[0].index == 0, stages[-1].index == num_stages - 1
-    start_unix = [0.0]
 
     def train_step(par, micro_batches, autocast_dtype=None, before_forward=lambda i: None) -> float:
         if len(micro_batches) != m:
             raise ValueError(f"the schedule was built for {m} micro-batches, got {len(micro_batches)}")
         par.zero_grad()
-        events.clear()
-        clock[0], start_unix[0] = time.perf_counter(), time.time()
+        clock.start_step()
         for s in stages:
             s.autocast_dtype = autocast_dtype
         before_forward(0)
@@ -262,7 +267,12 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
         runner.step(*([ids] if has_first else []), target=labels, losses=losses, return_outputs=False)
         sync_tied(stages, tied_group)
         par.optimizer.step()
-        step_loss = sum(loss.item() for loss in losses) if has_last else 0.0
+        step_loss = 0.0
+        if has_last:  # summed on the device, in float64 one addition at a time as the shared loop
+            # sums, and read once, after the broadcast: no host sync per micro-batch
+            step_loss = torch.zeros((), dtype=torch.float64, device=rt.device)
+            for loss in losses:
+                step_loss = step_loss + loss.detach().double()
         return loss_to_all(step_loss, grid, rt.device, src=last_rank)
 
     # no memory tracker: its module hooks (register_multi_grad_hook) refuse the autograd.grad
@@ -274,21 +284,22 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
                         report=lambda: {"schedule": name, "schedule_class": schedule.cls.__name__,
                                         "num_stages": num_stages, "microbatches": m,
                                         "stages_on_this_rank": [s.index for s in stages],
-                                        "events": list(events), "step_start_unix": start_unix[0]})
+                                        "events": list(clock.events), "clock": clock.clock,
+                                        "step_start_unix": clock.start_unix})
 
 
-def log_actions(stage: PipelineStage, events: list, clock: list) -> None:
-    """Wrap a PipelineStage's per-chunk methods so that each action lands in `events`, as
-    {"stage", "action", "micro", "start_s", "end_s"} (seconds from clock[0]): F
-    (forward_one_chunk), B (backward_one_chunk: the input's gradient, and the weights' too
-    unless the schedule defers them), W (backward_weight_one_chunk, zero-bubble schedules)."""
+def log_actions(stage: PipelineStage, clock: ActionClock) -> None:
+    """Wrap a PipelineStage's per-chunk methods so that each action lands in `clock`'s log
+    (`clock.events`: {"stage", "action", "micro", "start_s", "end_s"}, seconds from the step's
+    start, `clock.start_step()`; on a GPU the GPU's times): F (forward_one_chunk), B
+    (backward_one_chunk: the input's gradient, and the weights' too unless the schedule
+    defers them), W (backward_weight_one_chunk, zero-bubble schedules)."""
 
     def wrapped(method, action):
         def run(chunk, *args, **kwargs):
-            start = time.perf_counter()
+            start = clock.now()
             out = method(chunk, *args, **kwargs)
-            events.append({"stage": stage.stage_index, "action": action, "micro": chunk,
-                           "start_s": start - clock[0], "end_s": time.perf_counter() - clock[0]})
+            clock.log(start, stage=stage.stage_index, action=action, micro=chunk)
             return out
         return run
 

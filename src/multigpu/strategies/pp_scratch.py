@@ -24,8 +24,8 @@ The price is idle time. Which stage runs what, when, is the schedule; three are 
 A schedule here is a list of actions, ("F", i) or ("B", i), for one stage; `Pipeline.run`
 carries them out and receives/sends what each needs (picotron's PP, huggingface/picotron,
 is the model for this file). Every action and every wait on a neighbour goes into an event
-log with its start and end, so the timelines and the bubble the book shows are measured,
-never drawn from the formula.
+log with its start and end (`ActionClock`: on a GPU the GPU's own times), so the timelines
+and the bubble the book shows are measured, never drawn from the formula.
 
 Gradients equal one device's bit for bit: the last stage divides each micro-batch's loss by
 m, and every stage runs the backwards in micro-batch order, so each parameter's gradient is
@@ -48,6 +48,65 @@ from multigpu.strategies.pp_split import (
     sync_tied_embedding,
     tied_embedding_group,
 )
+
+# -- the event log's clock ------------------------------------------------------------------
+
+
+class ActionClock:
+    """When each action of a step ran, in seconds from the step's start, as the device saw it.
+
+    On a GPU, kernels and NCCL's waits are asynchronous for the host: a box timed with
+    time.perf_counter around them is the time it took to enqueue them, and its gaps are where
+    the host happened to block. So on CUDA a mark (`now`) is a `torch.cuda.Event` recorded on
+    the current stream, and a box runs from when the GPU reached its start to when it finished
+    the action; the events are read when the log is (`events`), after the step has ended, so
+    timing adds no synchronization inside the step. Every time is measured from one event
+    recorded as the step starts. On a CPU the host's clock is the device's: time.perf_counter.
+
+    `clock` says which it was ("cuda-events" or "host"), for the report: a timeline must not
+    claim the GPU's time for the host's. The library's pipeline (`pp.log_actions`) logs its
+    actions with the same class."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.clock = "cuda-events" if self.cuda else "host"
+        self.start_unix: float | None = None  # the step's start on the wall clock, to line up one machine's ranks
+        self._origin = None
+        self._marks: list[tuple[dict, object, object]] = []  # (fields, start mark, end mark), in order
+        self._events: list[dict] | None = []
+
+    def start_step(self) -> None:
+        """A new step: the last one's log is dropped, and time counts from here."""
+        self._marks, self._events = [], None
+        self.start_unix = time.time()
+        self._origin = self.now()
+
+    def now(self):
+        """This moment, as a mark for `log`: an event on the current stream, or the host's time."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def log(self, start, **fields) -> None:
+        """An action (`fields`: its stage, action, micro-batch) from the mark `start` to now."""
+        self._marks.append((fields, start, self.now()))
+
+    @property
+    def events(self) -> list[dict]:
+        """The step's log, {**fields, "start_s", "end_s"} per action, in the order logged."""
+        if self._events is None:
+            if self.cuda:  # every mark must have happened before it is read: long ago, after the step
+                for mark in (self._origin, *(m for _, start, end in self._marks for m in (start, end))):
+                    mark.synchronize()
+                seconds = lambda mark: self._origin.elapsed_time(mark) / 1e3  # noqa: E731 - ms -> s
+            else:
+                seconds = lambda mark: mark - self._origin  # noqa: E731
+            self._events = [{**fields, "start_s": seconds(start), "end_s": seconds(end)}
+                            for fields, start, end in self._marks]
+        return self._events
+
 
 # -- schedules: which action a stage runs next -------------------------------------------------
 
@@ -91,13 +150,14 @@ class Neighbours:
     afterwards with a blocking (rendezvous) send, as NCCL's can be, both would wait for the
     other to receive: deadlock. Posted together, both complete."""
 
-    def __init__(self, group, stage: int, num_stages: int, shape, dtype, device, log):
-        self.group, self.shape, self.dtype, self.device, self.log = group, tuple(shape), dtype, device, log
+    def __init__(self, group, stage: int, num_stages: int, shape, dtype, device, clock: ActionClock):
+        self.group, self.shape, self.dtype, self.device, self.clock = group, tuple(shape), dtype, device, clock
+        self.stage = stage
         self.prev = stage - 1 if stage > 0 else None  # ranks within the pipeline's group
         self.next = stage + 1 if stage < num_stages - 1 else None
 
     def _exchange(self, op: str, micro: int, to_next=None, to_prev=None, from_prev=False, from_next=False):
-        start = time.perf_counter()
+        start = self.clock.now()
         ops, received = [], []
         # gloo sends only contiguous memory; a gradient from autograd may be a strided view
         for tensor, peer in ((to_next, self.next), (to_prev, self.prev)):
@@ -108,8 +168,8 @@ class Neighbours:
                 received.append(torch.empty(self.shape, dtype=self.dtype, device=self.device))
                 ops.append(dist.P2POp(dist.irecv, received[-1], group=self.group, group_peer=peer))
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        self.log(op, micro, start)
+            work.wait()  # on CUDA: the current stream waits for NCCL's, and the end mark comes after
+        self.clock.log(start, stage=self.stage, action=op, micro=micro)
         return received[0] if received else None
 
     def send_forward(self, h, micro):
@@ -141,8 +201,9 @@ class Pipeline:
 
     The event log of a step (`events`), one dict per action, in the order they ran:
         {"stage": s, "action": a, "micro": i, "start_s": t0, "end_s": t1}
-    with times in seconds from the start of this rank's step (`step_start_unix` is that
-    start on the wall clock, to line up the stages of one machine). `action` is "F" or "B"
+    with times in seconds from the start of this rank's step, on the clock `clock` names
+    (`ActionClock`: the GPU's, or the host's), and `step_start_unix` that start on the wall
+    clock, to line up the stages of one machine. `action` is "F" or "B"
     (the compute of micro-batch i, nothing else inside), or the communication that ran after
     or before it: "recv_forward", "send_forward", "recv_backward", "send_backward",
     "send_forward_recv_backward", "send_backward_recv_forward" (i: the micro-batch whose
@@ -156,37 +217,50 @@ class Pipeline:
         # the residual stream is fp32 anyway (fp32 embedding + bf16 branch promotes to fp32),
         # and the cast below makes sure a receiver's buffer always has the sender's dtype
         self.dtype = next(model.parameters()).dtype
-        self.events: list[dict] = []  # the last step's, for the report
         self.peak_in_flight = 0  # most micro-batches whose forward ran and backward not yet, last step
-        self.step_start_unix = None
+        self._clock: ActionClock | None = None  # the last step's log
 
-    def run(self, micro_batches: list[dict], autocast_dtype=None, before_forward=lambda i: None) -> float:
+    @property
+    def events(self) -> list[dict]:
+        """The last step's event log (read after the step: on a GPU this waits for its end)."""
+        return self._clock.events if self._clock else []
+
+    @property
+    def clock(self) -> str | None:
+        return self._clock.clock if self._clock else None
+
+    @property
+    def step_start_unix(self) -> float | None:
+        return self._clock.start_unix if self._clock else None
+
+    def run(self, micro_batches: list[dict], autocast_dtype=None, before_forward=lambda i: None):
         """Every action of this stage's schedule for one step's micro-batches; gradients are
-        left in .grad. Returns the sum of the micro-batches' loss/m (last stage; else 0)."""
+        left in .grad. Returns the sum of the micro-batches' loss/m: on the last stage a
+        float64 tensor on the device, read by the caller once per step (a .item() per
+        micro-batch would stop the host every time); elsewhere 0.0."""
         m = len(micro_batches)
         ids = micro_batches[0]["input_ids"]  # (micro_batch, seq), the same on every stage
         device = ids.device
         shape = (*ids.shape, self.model.cfg.d_model)  # (micro_batch, seq, d_model)
-        events, clock = [], time.perf_counter()
-        self.step_start_unix = time.time()  # to line up the stages' logs (one machine, one clock)
-
-        def log(action, micro, start):
-            events.append({"stage": self.stage, "action": action, "micro": micro,
-                           "start_s": start - clock, "end_s": time.perf_counter() - clock})
-
-        link = Neighbours(self.group, self.stage, self.p, shape, self.dtype, device, log)
+        if self._clock is None:
+            self._clock = ActionClock(device)
+        clock = self._clock
+        clock.start_step()
+        link = Neighbours(self.group, self.stage, self.p, shape, self.dtype, device, clock)
         autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                     else nullcontext())
         inputs, outputs = {}, {}  # micro -> this stage's input / output, kept until its backward
         arrived = {}  # (action, micro) -> the activation or gradient it needs, already received
-        loss_sum, in_flight, peak = 0.0, 0, 0
+        # in float64, one addition at a time, as the shared loop sums (strategies.micro_batch_step)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device) if self.last else 0.0
+        in_flight, peak = 0, 0
         actions = self.schedule(self.stage, self.p, m)
         for k, (action, i) in enumerate(actions):
             if action == "F":
                 if not self.first and ("F", i) not in arrived:
                     arrived["F", i] = link.recv_forward(i)
                 before_forward(i)
-                start = time.perf_counter()
+                start = clock.now()
                 if self.first:
                     kwargs = {"input_ids": micro_batches[i]["input_ids"]}
                 else:  # a leaf that wants a gradient: its .grad is what we send back
@@ -195,23 +269,23 @@ class Pipeline:
                 with autocast:
                     if self.last:
                         out = self.model(**kwargs, labels=micro_batches[i]["labels"]) / m
-                        loss_sum += out.item()
+                        loss_sum = loss_sum + out.detach().double()
                     else:
                         out = self.model(**kwargs).to(self.dtype)  # (micro_batch, seq, d_model)
                 outputs[i] = out
-                log("F", i, start)
+                clock.log(start, stage=self.stage, action="F", micro=i)
                 in_flight += 1
                 peak = max(peak, in_flight)
             else:
                 if not self.last and ("B", i) not in arrived:
                     arrived["B", i] = link.recv_backward(i)
-                start = time.perf_counter()
+                start = clock.now()
                 out = outputs.pop(i)
                 # backward from this stage's output, seeded by the gradient the next stage sent
                 # (picotron's backward(); the last stage's output is the loss: no seed)
                 torch.autograd.backward(out, grad_tensors=None if self.last else arrived.pop(("B", i)))
                 input_grad = None if self.first else inputs.pop(i).grad
-                log("B", i, start)
+                clock.log(start, stage=self.stage, action="B", micro=i)
                 in_flight -= 1  # this micro-batch's activations are freed now
             # Send what the action made, together with what the next action must receive when
             # that comes from the same neighbour: the fused pair of the class docstring
@@ -226,7 +300,7 @@ class Pipeline:
                     arrived[after] = link.send_backward_recv_forward(input_grad, i)
                 else:
                     link.send_backward(input_grad, i)
-        self.events, self.peak_in_flight = events, peak
+        self.peak_in_flight = peak
         return loss_sum
 
 
@@ -273,10 +347,11 @@ def prepare(model, cfg, rt) -> Parallelized:
         loss = pipe.run(micro_batches, autocast_dtype, before_forward)
         sync_tied_embedding(model, tied_group, stage, p)  # the tied weight: head's + embedding's share
         par.step()
-        return loss_to_all(loss, grid, rt.device)
+        # broadcast on the device the batches are on: this rank's (NCCL has no CPU tensors)
+        return loss_to_all(loss, grid, micro_batches[0]["input_ids"].device)
 
     def report() -> dict:
-        return {"schedule": cfg.strategy, "stage": stage, "stages": p, "events": pipe.events,
+        return {"schedule": cfg.strategy, "stage": stage, "stages": p, "events": pipe.events, "clock": pipe.clock,
                 "peak_in_flight": pipe.peak_in_flight, "step_start_unix": pipe.step_start_unix}
 
     return Parallelized(module=model, optimizer=optimizer, model=model, train_step=train_step, report=report,
