@@ -118,6 +118,7 @@ def library_bubble(schedule: str, ms: list[int], forward_s: float = 0.02) -> lis
 
     from multigpu.models import loss_from_logits
     from multigpu.strategies.pp import SCHEDULES, StageModule, log_actions, stage_indices
+    from multigpu.strategies.pp_scratch import ActionClock
 
     rank, p = dist.get_rank(), dist.get_world_size()
     kind = SCHEDULES[schedule]
@@ -127,9 +128,9 @@ def library_bubble(schedule: str, ms: list[int], forward_s: float = 0.02) -> lis
         stages = [StageModule(_stage(i == 0, i == total - 1, forward_s / v), i, total, "cpu")
                   for i in stage_indices(kind, rank, p)]
         piped = [PipelineStage(s, s.index, total, torch.device("cpu")) for s in stages]
-        events, clock = [], [0.0]
+        clock = ActionClock(torch.device("cpu"))
         for ps in piped:
-            log_actions(ps, events, clock)
+            log_actions(ps, clock)
 
         def loss_fn(out, labels, m=m):
             return loss_from_logits(out, labels) / m
@@ -139,14 +140,13 @@ def library_bubble(schedule: str, ms: list[int], forward_s: float = 0.02) -> lis
         ids = torch.cat([b["input_ids"] for b in _micro_batches(m)])
         first, last = stages[0].index == 0, stages[-1].index == total - 1
 
-        def step(ids=ids, runner=runner, first=first, last=last, clock=clock, events=events):
-            clock[0] = time.perf_counter()
-            events.clear()
+        def step(ids=ids, runner=runner, first=first, last=last, clock=clock):
+            clock.start_step()
             runner.step(*([ids] if first else []), target=ids if last else None, return_outputs=False)
 
         step()  # warm-up (the stages agree on shapes in their first step)
         step_s, start_unix = _timed(step)
         rows.append({"schedule": schedule, "implementation": "library", "p": p, "m": m, "v": v,
                      "forward_s": forward_s, "step_s": step_s, "ideal_s": 3 * m * forward_s,
-                     "events": list(events), "step_start_unix": start_unix})
+                     "events": clock.events, "step_start_unix": start_unix})
     return rows
