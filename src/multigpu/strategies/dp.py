@@ -232,8 +232,10 @@ class ScratchDataParallel(nn.Module):
 
 def launch_note(cfg, device: str) -> str:
     """What the launcher tells the reader this run will use (no backend: threads)."""
-    n, gpus = cfg.world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0
-    reason = ("the CPU was asked for" if cfg.device == "cpu"
+    from multigpu.runtime import machine_gpus, resolve_requested
+
+    n, gpus = cfg.world_size, machine_gpus()
+    reason = ("the CPU was asked for" if resolve_requested(cfg.device) == "cpu"
               else f"nn.DataParallel needs {n} CUDA GPUs, this machine has {gpus}")
     return (f"torch.nn.DataParallel on {n} CUDA GPUs" if device == "cuda"
             else f"DataParallel from scratch, {n} threads on the CPU ({reason})")
