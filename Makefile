@@ -8,10 +8,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test book notebooks figures lab clean
+.PHONY: help install test gpu-check book notebooks figures lab clean
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,13 @@ install: $(STAMP)  ## create .venv and install the pinned dependencies and the p
 
 test: $(STAMP)  ## run the whole test suite (unit, parity on 2 and 4 processes, chapters)
 	$(PY) -m pytest
+
+# Not part of `make test` (pytest does not collect tests/gpu_check.py): two steps of every strategy
+# family over NCCL against one GPU, the estimator against the CUDA allocator, the chapters' GPU live
+# cells; skips what needs more GPUs than the machine has. Summary: _build/gpu-check/summary.md.
+# MULTIGPU_GPU_CHECK_ON_CPU=2 runs it on the CPU as if there were 2 devices (its self-check).
+gpu-check: $(STAMP)  ## on a machine with CUDA GPUs: every strategy on the GPUs (under 10 minutes)
+	$(PY) -m pytest tests/gpu_check.py
 
 # JUPYTERHUB_URL=https://your.hub adds a JupyterHub launch button to every chapter (_config.yml)
 JUPYTERHUB_URL ?=
