@@ -1,30 +1,41 @@
 """GPU-shaped records, written without a GPU: what `make figures` leaves in results/ on a
-server with 2 or 8 CUDA GPUs, made by the code that writes them there.
+server with CUDA GPUs (any count; an H100, A100 or V100 name), made by the code that writes
+them there.
 
     tag = write_gpu_results(folder, gpus=8)   # -> "8xH100-nccl"
+    tag = write_gpu_results(folder, gpus=3, name=A100, fails=pipelines_fail)   # -> "3xA100-SXM4-80GB-nccl"
 
 `folder` then holds, as a server's results/ would after `make figures`:
 
 - cpu-2core-gloo/: the committed records, copied (every checkout has them);
-- <gpus>xH100-nccl/: every experiment that trains on the GPUs, run by the package itself:
+- <gpus>x<GPU>-nccl/: every experiment that trains on the GPUs, run by the package itself:
   `experiments.run_experiment` over the lists `EXPERIMENTS` makes for a `torch.cuda` that
-  claims the GPUs, through `launch` (its device choice, DataParallel's note, the record
-  file it reads back), the worker's `build_record` and `records.provenance`. The one thing
-  stood in for is what runs inside the torchrun workers: `gpu_train_result` gives each rank
-  what `train.train` returns on the GPU path, and `GpuWorkers` folds the ranks into
-  `record.json` as `worker.main` does;
+  claims the GPUs (`fake_cuda`), through `launch` (the one device plan, DataParallel's note,
+  the record file it reads back), the worker's `build_record` and `records.provenance`. The
+  one thing stood in for is what runs inside the torchrun workers: `gpu_train_result` gives
+  each rank what `train.train` returns on the GPU path, and `GpuWorkers` folds the ranks into
+  `record.json` as `worker.main` does. With `fails`, the runs it picks fail in their workers
+  instead (as every pipeline did on NCCL before ad8000d): the package then writes what a
+  partly failed `make figures` leaves, some experiments missing or short;
 - cpu-32core-gloo/: the experiments that run on the CPU over gloo whatever the machine
-  (everything `run_spmd` starts, the stale-gradient replay, the compositions below 8 GPUs).
-  A server files them under its own CPU's tag; here they are the committed measurements
-  with the provenance `records.provenance` gives on a 32-core CPU.
+  (everything `run_spmd` starts, the stale-gradient replay, the multi-process experiments on
+  one GPU, the compositions below 8 GPUs). A server files them under its own CPU's tag; here
+  they are the committed measurements with the provenance `records.provenance` gives on a
+  32-core CPU.
 
 Numbers are plausible, not predicted: each GPU run is scaled from the committed CPU record
-of the same setting (`template`), with the rules in `gpu_train_result`.
+of the same setting (`template`), with the rules in `gpu_train_result`; the GPUs' relations
+between precisions are typical ones (`GPU_SPEEDS`), not the CPU's.
+
+The processes a test starts (notebook kernels) see the same fake GPUs through
+tests/fake_cuda/sitecustomize.py (`kernel_env`).
 
 Run as a script to write such a folder, and point MULTIGPU_RESULTS at it to read the
 chapters against it (tests/test_gpu_shaped.py does, chapter by chapter):
 
     python tests/gpu_shaped.py --gpus 8 /tmp/gpu-results
+    PYTHONPATH=tests/fake_cuda MULTIGPU_FAKE_CUDA="8:NVIDIA H100 80GB HBM3" MULTIGPU_RESULTS=/tmp/gpu-results \
+        jupyter lab book/   # the chapters, as on that server (live cells cannot run)
 """
 
 from __future__ import annotations
@@ -44,6 +55,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fake_cuda.sitecustomize import CPUS_ENV, cublas_workspace_size, patches
+from fake_cuda.sitecustomize import ENV as FAKE_CUDA_ENV
+from fake_cuda.sitecustomize import GPUS as FAKE_GPUS
 from multigpu import experiments, records, runtime
 from multigpu.comm import sent_bytes
 from multigpu.config import ZERO_STAGE, RunConfig
@@ -52,24 +66,39 @@ from multigpu.models import GPT_SIZES, default_seq_len, parameter_count
 from multigpu.strategies.dp import GPUDataParallel
 
 launch_module = importlib.import_module("multigpu.launch")  # the package's `launch` is the function
-check_module = importlib.import_module("multigpu.check")
 
-COMMITTED = Path(__file__).resolve().parents[1] / "results" / "cpu-2core-gloo"
-GPU_NAME = "NVIDIA H100 80GB HBM3"
-GPU_MEMORY_BYTES = 85_029_158_912  # what torch.cuda.get_device_properties reports for an H100 80GB
-CUDA_CONTEXT_BYTES = 536_870_912  # what the CUDA context takes of it before any tensor (about 500 MiB)
+TESTS = Path(__file__).resolve().parent
+COMMITTED = TESTS.parent / "results" / "cpu-2core-gloo"
+FAKE_CUDA_SITE = TESTS / "fake_cuda"  # its sitecustomize.py fakes CUDA in processes started with it on PYTHONPATH
+H100, A100, V100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-32GB"
+GPU_NAME = H100
 SERVER_CORES = 32
-# the GPU path as the package defines it: tests/conftest.py replaces these in every test
-# (device "auto" means the CPU there), so they are kept from before any test ran
-GPU_PATH = {(experiments, "on_gpus"): experiments.on_gpus,
-            (runtime, "choose_device"): runtime.choose_device,
-            (check_module, "choose_device"): check_module.choose_device}
-assert all(f.__module__.startswith("multigpu.") for f in GPU_PATH.values()), "imported while a test patched them"
 
 # How a GPU run's numbers are scaled from its CPU template (plausible, not predicted):
-GPU_SPEEDUP = 300  # an H100 in fp32 against this 2-core CPU, per unit of work (parameters x tokens)
+# per GPU, its fp32 speed over this 2-core CPU's per unit of work (parameters x tokens), and
+# a mixed-precision step's time over fp32's on it: tensor cores for bf16 and fp16 on A100 and
+# H100; on a V100 for fp16 only, bf16 emulated (slower than fp32)
+GPU_SPEEDS = {
+    H100: (300, {"bf16-mixed": 0.45, "fp16-mixed": 0.45}),
+    A100: (150, {"bf16-mixed": 0.5, "fp16-mixed": 0.5}),
+    V100: (60, {"bf16-mixed": 1.4, "fp16-mixed": 0.55}),
+}
 ALLOCATOR_SLACK = 1.1  # the caching allocator's rounding and fragmentation over the tensors alive
-CUBLAS_WORKSPACES = 2 * 32 * 2**20  # one 32 MiB workspace for forward's thread, one for autograd's (review F4)
+
+
+def pipelines_fail(experiment: str, cfg: RunConfig) -> str | None:
+    """`fails` for a partly failed `make figures`: every pipeline run dies in its workers, as
+    they all did on NCCL before ad8000d (review G2), and so does every run of tp_scaling:
+    what is left is a partial GPU folder without pp_schedules, pp_memory and tp_scaling (the
+    chapters take those from the committed CPU's) and, on 8 GPUs, compositions without their
+    pipelines. (Where only tp_scaling's tensor-parallel runs fail, as on 3, 5, 6 or 7 GPUs
+    before tp_degrees, review G5, its file keeps the one-GPU run alone, and tp.md, which reads
+    the richest machine's, finds no tp run to compare: not modelled here.)"""
+    if cfg.strategy.startswith("pp-"):
+        return "RuntimeError: No backend type associated with device type cpu"
+    if experiment == "tp_scaling":
+        return "RuntimeError: interrupted"
+    return None
 
 
 class RunsOnTheCPU(BaseException):
@@ -152,18 +181,22 @@ def without_offload(cfg: RunConfig) -> RunConfig:
     return cfg.replace(extra=extra | ({"zero_optimization": zero} if zero else {}))
 
 
-def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dict | None = None) -> dict:
-    """What `train.train` returns on rank `rank` of a GPU run of `cfg` (its keys, and which of
-    them the GPU path leaves None), with numbers scaled from `cpu_record`, a CPU run of the same
-    setting:
+def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dict | None = None,
+                     timed_like: dict | None = None, gpu: str = GPU_NAME) -> dict:
+    """What `train.train` returns on rank `rank` of a GPU run of `cfg` on GPUs named `gpu` (its
+    keys, and which of them the GPU path leaves None), with numbers scaled from `cpu_record`, a
+    CPU run of the same setting:
 
     - model states and memory categories: by the parameters, and by what the rank's share
       of a sharded state changes with the degrees (`_cut`); activations by the tokens of a
       micro-batch times `_token_width`. The memory of an offloading run is that of `held_like`,
       the CPU run without offload (on a CPU the host's buffers count as the device's), less
       the optimizer state, which stays on the host;
-    - the allocator's peak: the tensors alive, plus slack and the cuBLAS workspaces;
-    - times: by parameters x tokens, over GPU_SPEEDUP; the loss: the CPU run's;
+    - the allocator's peak: the tensors alive, plus slack and the cuBLAS workspaces (two, of
+      the size torch chooses for the GPU's architecture);
+    - times: by parameters x tokens, over the GPU's speed (GPU_SPEEDS), from `timed_like`, the
+      CPU run in fp32 where `cfg` is in mixed precision, times the GPU's mixed-precision factor
+      (a CPU's relation between precisions is not a GPU's); the loss: the CPU run's;
     - collectives: the same calls; payloads as `carried` says; bytes sent by the ring rule,
       as CommCounter counts them;
     - the loopback: None (train measures it over gloo only);
@@ -176,7 +209,12 @@ def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dic
     params = _parameters(cfg.model) / cpu_record["parameters"]
     tokens = cfg.micro_batch_size * seq / (cpu.micro_batch_size * cpu_record["seq_len"])
     activations = tokens * _token_width(cfg.model) / _token_width(cpu.model)
-    seconds = params * cfg.per_rank_batch_size * seq / (cpu.per_rank_batch_size * cpu_record["seq_len"]) / GPU_SPEEDUP
+    timed = timed_like or cpu_record
+    speed, mixed = GPU_SPEEDS[gpu]
+    seconds = (_parameters(cfg.model) / timed["parameters"] * cfg.per_rank_batch_size * seq
+               / (RunConfig.from_dict(timed["config"]).per_rank_batch_size * timed["seq_len"]) / speed
+               * mixed.get(cfg.dtype, 1))
+    workspaces = 2 * cublas_workspace_size(FAKE_GPUS[gpu][1])
     cut = _cut(cfg, cpu)
     on_host = offloads(cfg)
 
@@ -193,7 +231,7 @@ def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dic
         memory["total"] = sum(memory.values())
         saved = int(saved * activations)
     on_device = sum(v for c, v in model_states.items() if not (on_host and c == "optimizer"))
-    allocator_peak = int((memory["total"] or on_device + (saved or 0)) * ALLOCATOR_SLACK) + CUBLAS_WORKSPACES
+    allocator_peak = int((memory["total"] or on_device + (saved or 0)) * ALLOCATOR_SLACK) + workspaces
 
     hidden = tokens * _dims(cfg.model)[1] / _dims(cpu.model)[1]  # a (batch, sequence, width) tensor
 
@@ -206,12 +244,13 @@ def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dic
     payload = {k: int(v * carried(k)) for k, v in cpu_record["comm_payload_bytes_per_step_by_rank"][r].items()}
     sent = {k: sent_bytes(k, v, cfg.processes) for k, v in payload.items()}  # as CommCounter counts them
 
-    times = [t * seconds for t in _resized(cpu_record["step_times_s_by_rank"][r], cfg.steps)]
+    timed_rank = timed["step_times_s_by_rank"][rank % len(timed["step_times_s_by_rank"])]
+    times = [t * seconds for t in _resized(timed_rank, cfg.steps)]
     untracked = times[3:]  # train times the steps after the tracked (0, 1) and counted (2) ones
     by_rank = cpu_record.get("strategy_report_by_rank")
     report = copy.deepcopy(by_rank[r] if by_rank else cpu_record["strategy_report"] if rank == 0 else {})
     if cfg.info.one_process:  # DataParallel: this process's device is the primary
-        report = _data_parallel_report(cfg, cpu_record, params, activations)
+        report = _data_parallel_report(cfg, cpu_record, params, activations, workspaces)
         allocator_peak = report["peak_memory_bytes_by_replica"][0]["total"]
     return {
         "rank": rank,
@@ -240,29 +279,36 @@ def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dic
     }
 
 
-def _data_parallel_report(cfg: RunConfig, cpu_record: dict, params: float, activations: float) -> dict:
+def _data_parallel_report(cfg: RunConfig, cpu_record: dict, params: float, activations: float,
+                          workspaces: int) -> dict:
     """GPUDataParallel.report itself, each device's allocator peak scaled from what the
     from-scratch version counted on that replica (the primary, or any other)."""
     def peak(held: dict) -> int:
         tensors = sum(held[c] * (params if c in ("params", "grads", "optimizer") else activations) for c in CATEGORIES)
-        return int(tensors * ALLOCATOR_SLACK) + CUBLAS_WORKSPACES
+        return int(tensors * ALLOCATOR_SLACK) + workspaces
 
     held = cpu_record["peak_memory_bytes_by_rank"]
     peaks = [peak(held[min(i, len(held) - 1)]) for i in range(cfg.world_size)]
-    replicas = SimpleNamespace(replicas=cfg.world_size, implementation=GPUDataParallel.implementation)
+    devices = [torch.device("cuda", i) for i in range(cfg.world_size)]
+    replicas = SimpleNamespace(replicas=cfg.world_size, implementation=GPUDataParallel.implementation,
+                               peak_devices=devices)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "max_memory_allocated", lambda device: peaks[device])
+        mp.setattr(torch.cuda, "max_memory_allocated",
+                   lambda device=None: peaks[device if isinstance(device, int) else torch.device(device).index])
         return GPUDataParallel.report(replicas, optimizer=None)
 
 
 class GpuWorkers:
     """Stands in for `launch.run_torchrun`: what the torchrun workers of a GPU server
     would leave behind. A training run on the GPUs writes record.json (and params.pt) as
-    `worker.main` does; anything that would run on the CPU raises RunsOnTheCPU."""
+    `worker.main` does; anything that would run on the CPU raises RunsOnTheCPU. A run that
+    `fails(experiment, cfg)` picks fails as its workers would, with that error: no record, a
+    non-zero exit."""
 
-    def __init__(self, templates: list[dict]):
-        self.templates = templates
+    def __init__(self, templates: list[dict], gpu: str = GPU_NAME, fails=None):
+        self.templates, self.gpu, self.fails = templates, gpu, fails
         self.experiment: str | None = None  # the experiment being written: its templates come first
+        self.failed: dict[str, int] = {}  # experiment -> runs made to fail
 
     def __call__(self, args: list[str], *, processes: int, **_) -> tuple[int, list[str]]:
         from multigpu.worker import build_record
@@ -273,9 +319,16 @@ class GpuWorkers:
         if options["--device"] != "cuda":
             raise RunsOnTheCPU(f"a run on {options['--device']}")
         cfg = RunConfig.from_dict(json.loads(Path(options["--config"]).read_text()))
+        error = self.fails and self.fails(self.experiment, cfg)
+        if error:
+            self.failed[self.experiment] = self.failed.get(self.experiment, 0) + 1
+            return 1, ["[rank0]: Traceback (most recent call last):", f"[rank0]: {error}"]
         cpu_record = template(cfg, self.experiment, self.templates)
         held_like = template(without_offload(cfg), self.experiment, self.templates) if offloads(cfg) else None
-        results = [gpu_train_result(cfg, rank, cpu_record, held_like) for rank in range(processes)]
+        timed_like = template(cfg.replace(dtype="fp32"), self.experiment, self.templates) if cfg.dtype != "fp32" \
+            else None
+        results = [gpu_train_result(cfg, rank, cpu_record, held_like, timed_like, self.gpu)
+                   for rank in range(processes)]
         for result in results:
             result.pop("state_dict")  # the worker keeps it out of what the ranks exchange
         rt = runtime.Runtime(rank=0, local_rank=0, world_size=processes, device=torch.device("cuda", 0),
@@ -287,18 +340,25 @@ class GpuWorkers:
         return 0, []
 
 
-def fake_cuda(mp: pytest.MonkeyPatch, gpus: int) -> None:
-    """Make torch.cuda claim `gpus` H100s, as far as the package asks."""
-    mp.setattr(torch.cuda, "is_available", lambda: True)
-    mp.setattr(torch.cuda, "device_count", lambda: gpus)
-    mp.setattr(torch.cuda, "get_device_name", lambda device=None: GPU_NAME)
-    mp.setattr(torch.cuda, "get_device_properties",
-               lambda device=None: SimpleNamespace(name=GPU_NAME, total_memory=GPU_MEMORY_BYTES))
-    mp.setattr(torch.cuda, "mem_get_info",
-               lambda device=None: (GPU_MEMORY_BYTES - CUDA_CONTEXT_BYTES, GPU_MEMORY_BYTES))
-    mp.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 5))
-    mp.setattr(torch.version, "cuda", "12.8")
-    mp.setattr(torch, "__version__", torch.torch_version.TorchVersion(torch.__version__.split("+")[0] + "+cu128"))
+def fake_cuda(mp: pytest.MonkeyPatch, gpus: int, name: str = GPU_NAME, cores: int = SERVER_CORES) -> None:
+    """Make this process a server with `gpus` GPUs named `name` and `cores` CPU cores, as far
+    as the package asks (tests/fake_cuda/sitecustomize.py's table), and lift the test suite's
+    CPU pin (MULTIGPU_DEVICE=cpu, tests/conftest.py): on a GPU server nothing sets it, so
+    `auto` means what the one device plan makes of the GPUs."""
+    for obj, attribute, fake in patches(gpus, name):
+        mp.setattr(obj, attribute, fake)
+    mp.setattr(os, "cpu_count", lambda: cores)
+    mp.delenv(runtime.DEVICE_ENV, raising=False)
+
+
+def kernel_env(mp: pytest.MonkeyPatch, gpus: int, name: str = GPU_NAME) -> None:
+    """The same server for the processes started from now on (a notebook kernel): the fake
+    CUDA by environment (tests/fake_cuda/sitecustomize.py, on PYTHONPATH), the server's CPU
+    cores, and no CPU pin."""
+    mp.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_CUDA_SITE), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    mp.setenv(FAKE_CUDA_ENV, f"{gpus}:{name}")
+    mp.setenv(CPUS_ENV, str(SERVER_CORES))
+    mp.delenv(runtime.DEVICE_ENV, raising=False)
 
 
 def _replay_on_the_cpu(*args, **kwargs):
@@ -316,41 +376,76 @@ def _refile_on_server_cpu(experiment: str, folder: Path) -> None:
     records.write_records(folder / records.machine_tag("cpu") / f"{experiment}.jsonl", rewritten)
 
 
-def write_gpu_results(folder: Path, gpus: int) -> str:
-    """Write into `folder` the results/ of a server with `gpus` H100s after `make figures`
-    (see the module's docstring); return the GPU machine tag. Raises ExperimentFailed,
-    after writing everything, if any run failed."""
+def write_gpu_results(folder: Path, gpus: int, name: str = GPU_NAME, fails=None) -> str:
+    """Write into `folder` the results/ of a server with `gpus` GPUs named `name` after `make
+    figures` (see the module's docstring); return the GPU machine tag. `fails(experiment,
+    cfg)`: an error message for the runs that fail in their workers, else None. Raises
+    ExperimentFailed, after writing everything, if any other run failed."""
     shutil.copytree(COMMITTED, folder / COMMITTED.name)
-    workers = GpuWorkers(training_records(COMMITTED))
+    workers = GpuWorkers(training_records(COMMITTED), name, fails)
     with pytest.MonkeyPatch.context() as mp:
-        fake_cuda(mp, gpus)
-        mp.setattr(os, "cpu_count", lambda: SERVER_CORES)
-        for (module, name), function in GPU_PATH.items():
-            mp.setattr(module, name, function)
+        fake_cuda(mp, gpus, name)
         mp.setattr(records, "RESULTS_DIR", folder)
         mp.setattr(launch_module, "run_torchrun", workers)
         mp.setattr(importlib.import_module("multigpu.asynchronous"), "train_with_stale_gradients", _replay_on_the_cpu)
-        tag, failed = records.machine_tag(), []
-        for name in experiments.EXPERIMENTS:
-            workers.experiment = name
+        tag, unexpected = records.machine_tag(), []
+        for experiment in experiments.EXPERIMENTS:
+            workers.experiment = experiment
             try:
-                experiments.run_experiment(name, progress=False)
+                experiments.run_experiment(experiment, progress=False)
             except RunsOnTheCPU:
-                assert not (folder / tag / f"{name}.jsonl").exists(), f"{name} ran partly on the GPUs"
-                _refile_on_server_cpu(name, folder)
-            except experiments.ExperimentFailed as err:
-                failed.append(str(err))
-    if failed:
-        raise experiments.ExperimentFailed("\n".join(failed))
+                assert not (folder / tag / f"{experiment}.jsonl").exists(), f"{experiment} ran partly on the GPUs"
+                _refile_on_server_cpu(experiment, folder)
+            except experiments.ExperimentFailed as err:  # "<name>: <k> of <n> run(s) failed: ..."
+                if int(str(err).split(": ", 1)[1].split(" of ")[0]) != workers.failed.get(experiment):
+                    unexpected.append(str(err))
+    if unexpected:
+        raise experiments.ExperimentFailed("\n".join(unexpected))
     return tag
+
+
+def committed_tags() -> list[str]:
+    """The machine folders of results/ that the checkout commits (git tracks them); without
+    git, the one this module copies."""
+    import subprocess
+
+    try:
+        tracked = subprocess.run(["git", "-C", str(COMMITTED.parents[1]), "ls-files", "--", "results"],
+                                 capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        tracked = []
+    return sorted({Path(path).parts[1] for path in tracked if len(Path(path).parts) > 2}) or [COMMITTED.name]
+
+
+_VIEWS: dict[Path, Path] = {}
+
+
+def only_committed_records(mp: pytest.MonkeyPatch, tmp_path_factory) -> Path:
+    """Make `records` (this process's RESULTS_DIR) and the processes started from now on
+    (MULTIGPU_RESULTS) read the committed records only: a folder that links to each committed
+    machine folder and nothing else. A results/<gpu-tag>/ (or another CPU's folder) that `make
+    figures` wrote beside them is then not what a test about the committed records reads
+    (review G4b). The folder is made once per session."""
+    base = tmp_path_factory.getbasetemp()
+    if base not in _VIEWS:
+        view = tmp_path_factory.mktemp("committed-results")
+        for tag in committed_tags():
+            (view / tag).symlink_to(COMMITTED.parent / tag, target_is_directory=True)
+        _VIEWS[base] = view
+    mp.setattr(records, "RESULTS_DIR", _VIEWS[base])
+    mp.setenv("MULTIGPU_RESULTS", str(_VIEWS[base]))
+    return _VIEWS[base]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="a new folder: MULTIGPU_RESULTS for the chapters")
     parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--name", default=GPU_NAME, choices=list(GPU_SPEEDS), help="the GPUs' name")
+    parser.add_argument("--partial", action="store_true",
+                        help="the pipelines and tp_scaling's tensor-parallel runs fail (pipelines_fail)")
     args = parser.parse_args()
-    print(write_gpu_results(args.folder, args.gpus))
+    print(write_gpu_results(args.folder, args.gpus, args.name, pipelines_fail if args.partial else None))
 
 
 if __name__ == "__main__":
