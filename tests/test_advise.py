@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 
+from gpu_shaped import only_committed_records
 from multigpu.advise import advise
 from multigpu.config import ConfigError, RunConfig
 from multigpu.estimate import PIPELINES, Setup, degrees, estimate, gpt_parts
@@ -21,6 +22,15 @@ from test_cli import run_cli
 
 GIB = 2**30
 BATCH = 256  # samples of 2048 tokens per step: half a million tokens
+
+
+@pytest.fixture
+def committed_records(monkeypatch, tmp_path_factory):
+    """Tests that use it hold the step-time model to the committed CPU records (results/ as the checkout
+    commits it), in this process and in the ones it starts: a results/<gpu-tag>/ that `make figures`
+    wrote on a GPU machine is not what they expect (review G4b); tests/test_gpu_shaped.py holds
+    the same code to GPU-shaped records."""
+    only_committed_records(monkeypatch, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +105,7 @@ def test_groups_across_nodes_share_the_nodes_network():
     assert group_link(two_nodes, 2, 8) == (ETH_100G, 1 / 8)  # eight pairs across at once (dp 2 x tp 8)
 
 
+@pytest.mark.usefixtures("committed_records")
 def test_without_overlap_the_model_predicts_the_steps_recorded_here():
     """On the machine that made the records (2 CPU processes on 2 cores, gloo) the collectives
     have no spare core to hide on: without overlap, its fitted link and its single-process

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from gpu_shaped import only_committed_records
 from multigpu.accuracy import TOTAL_TOLERANCE, setup_of
 from multigpu.config import OPTIMIZERS, ConfigError, RunConfig, parse_bytes
 from multigpu.memory import PeakMemoryTracker
@@ -22,6 +23,15 @@ from multigpu.models import (
 )
 from multigpu.strategies import build_optimizer
 from multigpu.trace import activation_cost, model_shape
+
+
+@pytest.fixture(autouse=True)
+def committed_records(monkeypatch, tmp_path_factory):
+    """These tests hold the estimator to the committed CPU records (results/ as the checkout
+    commits it), in this process and in the ones it starts: a results/<gpu-tag>/ that `make figures`
+    wrote on a GPU machine is not what they expect (review G4b); tests/test_gpu_shaped.py holds
+    the same code to GPU-shaped records."""
+    only_committed_records(monkeypatch, tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt-small", "gpt2", "t5-tiny", "t5-small", "t5-large"])
