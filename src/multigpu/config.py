@@ -232,10 +232,14 @@ class RunConfig:
                 f"strategy 'single' runs one process, got world_size={self.world_size}; "
                 "use world_size=1 or a parallel strategy such as 'ddp'"
             )
-        if self.world_size > max_cpu_workers():
+        from multigpu.runtime import machine_gpus
+
+        # a process per GPU is always useful, whatever the cores (a container may show few)
+        gpus = 0 if self.device == "cpu" else machine_gpus()
+        if self.world_size > max(max_cpu_workers(), gpus):
             raise ConfigError(
                 f"world_size={self.world_size} is more processes than this machine can run "
-                f"usefully ({os.cpu_count()} CPU cores, limit {max_cpu_workers()}); "
+                f"usefully ({os.cpu_count()} CPU cores, limit {max_cpu_workers()}; {gpus} CUDA GPU(s)); "
                 "use fewer processes or a machine with more GPUs"
             )
         self._validate_degrees()
