@@ -126,27 +126,38 @@ def test_bad_plans_are_refused_with_what_was_wrong():
         plan_devices("auto", processes=2, gpus=-1)
 
 
-def _launched(monkeypatch, cfg, **kwargs) -> list[str]:
-    """The worker arguments `launch` would hand torchrun on a machine with 4 GPUs."""
+def _launched(monkeypatch, cfg, visible=None, **kwargs) -> list:
+    """The device and CUDA_VISIBLE_DEVICES that `launch` would start the workers with on a
+    machine with 4 GPUs (and `visible`, a CUDA_VISIBLE_DEVICES already set)."""
     seen = []
 
     def fake_run(cfg, device, rendezvous, out_dir, **kw):
-        seen.extend([device, kw["first_gpu"]])
+        seen.extend([device, kw["visible_gpus"]])
         return {}
 
     monkeypatch.setattr(runtime, "machine_gpus", lambda: 4)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setattr(launch_module, "_run", fake_run)
     launch_module.launch(cfg, check_memory=False, progress=False, **kwargs)
     return seen
 
 
 def test_launch_follows_the_plan(monkeypatch):
-    """launch hands the plan's device and first GPU to the workers: stand-in nodes on a loopback
-    rendezvous start at their own GPU; a node of a real cluster at GPU 0."""
+    """launch starts the workers on the plan's device; a stand-in node beyond the first (a
+    loopback rendezvous) sees only its own GPUs, so that local rank r is its r-th GPU for torch
+    and for libraries that go by LOCAL_RANK alone (DeepSpeed); a node of a real cluster sees its
+    machine's GPUs as they are."""
     cfg = RunConfig(strategy="fsdp", world_size=4, extra={"replicas": 2})
-    assert _launched(monkeypatch, cfg) == ["cuda", 0]
-    assert _launched(monkeypatch, cfg, nnodes=2, node_rank=1, rdzv_endpoint="127.0.0.1:29500") == ["cuda", 2]
-    assert _launched(monkeypatch, cfg, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500") == ["cuda", 0]
+    assert _launched(monkeypatch, cfg) == ["cuda", None]
+    stand_in = dict(nnodes=2, rdzv_endpoint="127.0.0.1:29500")
+    assert _launched(monkeypatch, cfg, node_rank=0, **stand_in) == ["cuda", None]
+    assert _launched(monkeypatch, cfg, node_rank=1, **stand_in) == ["cuda", "2,3"]
+    # the GPUs as CUDA_VISIBLE_DEVICES already numbers them
+    assert _launched(monkeypatch, cfg, "7,6,5,4", node_rank=1, **stand_in) == ["cuda", "5,4"]
+    assert _launched(monkeypatch, cfg, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500") == ["cuda", None]
     with pytest.raises(ConfigError, match="needs a CUDA GPU for each of 8 process"):
         _launched(monkeypatch, cfg.replace(world_size=8, device="cuda"))
 

@@ -126,7 +126,10 @@ def launch(
     processes of all nodes), the same `nnodes` and `rdzv_endpoint` ("HOST:PORT", reachable
     from every node), and its own `node_rank`; node 0 hosts the rendezvous there. Each node
     starts world_size / nnodes workers; which global ranks they get is the rendezvous's
-    choice. Every node gets the record back.
+    choice. Every node gets the record back. An endpoint on a loopback address (127.0.0.1,
+    localhost) means every node runs on this machine, as stand-ins sharing its GPUs (each node
+    takes GPUs of its own, or all run on the CPU): on a real cluster give every node, node 0
+    included, node 0's routable address.
     check_memory: refuse, before any worker starts, a run the estimator says cannot fit in
     this machine's free memory (`memory_problem`)."""
     from multigpu.runtime import LOOPBACK_HOSTS, device_plan
@@ -145,8 +148,8 @@ def launch(
     except ValueError as err:
         raise ConfigError(str(err)) from None
     device, why = plan.device, plan.why
-    if check_memory:
-        problem = memory_problem(cfg, device, per_node)
+    if check_memory:  # (stand-in nodes on the CPU share its memory; on GPUs, each node its first GPU's)
+        problem = memory_problem(cfg, device, per_node * (nnodes if on_loopback else 1), gpu=plan.first_gpu)
         if problem:
             raise ConfigError(problem)
     if cfg.info.one_process:  # one process: no backend, the replicas are threads
@@ -170,23 +173,24 @@ def launch(
     try:  # whatever happens, the run's folder goes away
         return _run(cfg, device, rendezvous, out_dir, timeout_s=timeout_s, progress=progress,
                     params_path=params_path, verbose=verbose, nnodes=nnodes, endpoint=rdzv_endpoint,
-                    first_gpu=plan.first_gpu)
+                    visible_gpus=plan.visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")))
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
-def available_bytes(device: str) -> int | None:
-    """Memory a worker could still take: the free memory of GPU 0, or the host's
+def available_bytes(device: str, gpu: int = 0) -> int | None:
+    """Memory a worker could still take: the free memory of GPU `gpu`, or the host's
     MemAvailable (Linux's estimate of what can be allocated without swapping); None where
     it cannot be read.
 
     A GPU's free memory is read from NVML (the driver's management library), not with
     torch.cuda.mem_get_info: that would make a CUDA context on GPU 0 in the calling process
     (a notebook kernel, `multigpu figures`), which holds a few hundred MiB of that GPU for as
-    long as the process lives. Without NVML (the nvidia-ml-py package) the screen is skipped:
+    long as the process lives. NVML is the driver's own library (libnvidia-ml.so.1, read as
+    torch itself reads it for device counts); where it does not answer, the screen is skipped:
     a run too large for the GPU then stops at its first step with CUDA's out-of-memory error."""
     if device == "cuda":
-        return _nvml_free_bytes(0)
+        return _nvml_free_bytes(gpu)
     try:
         with open("/proc/meminfo") as f:
             found = re.search(r"^MemAvailable:\s+(\d+) kB", f.read(), re.M)
@@ -196,20 +200,29 @@ def available_bytes(device: str) -> int | None:
 
 
 def _nvml_free_bytes(index: int) -> int | None:
-    """Free memory of CUDA device `index` (as CUDA_VISIBLE_DEVICES numbers it) from NVML, or
-    None where NVML is not installed or does not answer."""
+    """Free memory of CUDA device `index` (as CUDA_VISIBLE_DEVICES numbers it) from NVML through
+    ctypes, or None where NVML does not answer."""
+    from ctypes import CDLL, Structure, byref, c_uint, c_ulonglong, c_void_p
+
+    class Memory(Structure):  # nvmlMemory_t
+        _fields_ = [("total", c_ulonglong), ("free", c_ulonglong), ("used", c_ulonglong)]
+
     try:
-        import pynvml
         import torch
 
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(index))
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
-    except Exception:  # no pynvml, no driver, an index NVML does not know: no screen
+        nvml = CDLL("libnvidia-ml.so.1")
+        handle, memory = c_void_p(), Memory()
+        if (nvml.nvmlInit_v2() != 0
+                or nvml.nvmlDeviceGetHandleByIndex_v2(c_uint(torch.cuda._get_nvml_device_index(index)),
+                                                      byref(handle)) != 0
+                or nvml.nvmlDeviceGetMemoryInfo(handle, byref(memory)) != 0):
+            return None
+        return int(memory.free)
+    except Exception:  # no driver library, a symbol or an index NVML does not know: no screen
         return None
 
 
-def memory_problem(cfg: RunConfig, device: str, per_node: int) -> str | None:
+def memory_problem(cfg: RunConfig, device: str, per_node: int, gpu: int = 0) -> str | None:
     """Why this run cannot fit in this machine's memory, in the estimator's numbers, or None.
 
     A cheap screen first, so that small runs pay nothing: the model states of a whole
@@ -219,7 +232,7 @@ def memory_problem(cfg: RunConfig, device: str, per_node: int) -> str | None:
     and models the estimator does not model pass."""
     from multigpu.models import parameter_count
 
-    free = available_bytes(device)
+    free = available_bytes(device, gpu)
     if free is None:
         return None
     on_one = per_node if device == "cpu" else 1  # CPU processes share the host; each GPU is its own
@@ -232,7 +245,7 @@ def memory_problem(cfg: RunConfig, device: str, per_node: int) -> str | None:
     from multigpu.accuracy import setup_of
     from multigpu.records import cpu_name
 
-    name = torch.cuda.get_device_name(0) if device == "cuda" else cpu_name()
+    name = torch.cuda.get_device_name(gpu) if device == "cuda" else cpu_name()
     setup = setup_of({"config": cfg.to_dict(), "provenance": {
         "backend": "nccl" if device == "cuda" else "gloo", "device_type": device, "device_names": [name]}})
     if setup is None:
@@ -276,11 +289,11 @@ def check_nodes(cfg: RunConfig, nnodes, node_rank, rdzv_endpoint, port) -> int:
 
 
 def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, timeout_s, progress,
-         params_path, verbose, nnodes: int = 1, endpoint: str | None = None, first_gpu: int = 0) -> dict:
+         params_path, verbose, nnodes: int = 1, endpoint: str | None = None,
+         visible_gpus: str | None = None) -> dict:
     (out_dir / "config.json").write_text(cfg.to_json())
     args = ["-m", "multigpu.worker", "--config", str(out_dir / "config.json"), "--out", str(out_dir),
-            "--device", device, "--first-gpu", str(first_gpu),
-            *(["--save-params"] if params_path is not None else [])]
+            "--device", device, *(["--save-params"] if params_path is not None else [])]
     start = time.monotonic()
     per_node = cfg.processes // nnodes
     try:
@@ -288,7 +301,7 @@ def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, t
             args, processes=per_node, rendezvous=rendezvous, nnodes=nnodes,
             threads=cfg.threads_per_worker or threads_per_process(per_node),
             timeout_s=timeout_s, progress=progress, bar=(cfg.steps, f"{cfg.strategy} x{cfg.world_size}"),
-            verbose=verbose,
+            verbose=verbose, visible_gpus=visible_gpus,
             timeout_hint=f"raise timeout_s or run fewer steps ({cfg.steps}) or a smaller model ({cfg.model})")
     except LaunchError:
         if endpoint is not None and not any(out_dir.glob("started-rank*")):  # no worker ever started
@@ -318,14 +331,18 @@ def _rendezvous_message(tail: list[str], endpoint: str, nnodes: int) -> str:
 
 def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], threads: int, timeout_s: float,
                  progress: bool | None, bar: tuple[int, str], verbose: bool = False,
-                 timeout_hint: str = "raise timeout_s", nnodes: int = 1) -> tuple[int, list[str]]:
+                 timeout_hint: str = "raise timeout_s", nnodes: int = 1,
+                 visible_gpus: str | None = None) -> tuple[int, list[str]]:
     """Run `python -m torch.distributed.run ... <args>` on `processes` workers of this node
     (one of `nnodes`); return (exit code, last output lines). Draws progress lines as a bar;
-    stops every worker on a timeout or an interrupt, so nothing is left running."""
+    stops every worker on a timeout or an interrupt, so nothing is left running.
+    visible_gpus: the workers' CUDA_VISIBLE_DEVICES (the device plan's, for a stand-in node)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nnodes={nnodes}",
            f"--nproc-per-node={processes}", "--max-restarts=0", *args]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([_SRC, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if visible_gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_gpus
 
     view = _progress_view(bar) if _show_progress(progress) else None
     tail: deque[str] = deque(maxlen=200)

@@ -113,6 +113,16 @@ class DevicePlan:
         """Local rank r of this node runs on GPU first_gpu + r."""
         return self.gpus[0] if self.gpus else 0
 
+    def visible_devices(self, current: str | None) -> str | None:
+        """CUDA_VISIBLE_DEVICES for this node's workers when their GPUs do not start at GPU 0 (a
+        stand-in node beyond the first): its GPUs, as the machine numbers them (through
+        `current`, a CUDA_VISIBLE_DEVICES already set), so that local rank r is cuda:r for torch
+        and for every library that goes by LOCAL_RANK alone (DeepSpeed). None: nothing to hide."""
+        if self.device != "cuda" or self.first_gpu == 0:
+            return None
+        shown = [d.strip() for d in current.split(",")] if current and current.strip() else None
+        return ",".join(shown[g] if shown else str(g) for g in self.gpus)
+
 
 def plan_devices(requested: str, *, processes: int, gpus: int, replicas: int = 1, nnodes: int = 1,
                  nodes_here: int = 1, node_rank: int = 0) -> DevicePlan:
@@ -190,16 +200,15 @@ def choose_device(requested: str, world_size: int) -> tuple[str, str, str]:
     return plan.device, plan.backend, plan.why
 
 
-def init(device_type: str, timeout_s: float = 300, first_gpu: int = 0) -> Runtime:
-    """Join the process group torchrun set up; pin this process to its GPU if any: local rank r
-    takes GPU first_gpu + r (the device plan's, so that stand-in nodes on one machine do not
-    share GPUs)."""
+def init(device_type: str, timeout_s: float = 300) -> Runtime:
+    """Join the process group torchrun set up; pin this process to its GPU if any (local rank r
+    takes cuda:r of the GPUs the launcher left visible: the device plan's)."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if device_type == "cuda":
-        torch.cuda.set_device(first_gpu + local_rank)
-        device, backend = torch.device("cuda", first_gpu + local_rank), "nccl"
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     # device_id binds NCCL to this GPU now: start-up errors surface here, and barriers know

@@ -119,7 +119,6 @@ def main(argv=None) -> NoReturn:
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--first-gpu", type=int, default=0, help="local rank r runs on GPU first_gpu + r")
     parser.add_argument("--save-params", action="store_true", help="rank 0 writes params.pt")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)  # a launcher other than ours may not have made it
@@ -129,7 +128,7 @@ def main(argv=None) -> NoReturn:
 
         cfg = RunConfig.from_dict(json.loads(args.config.read_text()))
         guarded = device_guard.install_if_asked()  # the test suite checks the device rule in every run
-        rt = runtime.init(args.device, first_gpu=args.first_gpu)
+        rt = runtime.init(args.device)
         result = train(cfg, rt, keep_params=args.save_params)
         state_dict = result.pop("state_dict")
         gathered = [None] * rt.world_size
