@@ -52,6 +52,8 @@ def test_marks_follow_the_tensor():
         assert not hasattr(host * placed, device_guard._MARK)  # joined with a placed tensor
         placed.add_(host)  # in place: the placed tensor stays placed
         assert not hasattr(placed, device_guard._MARK)
+        assert not hasattr(torch.zeros_like(host, device=placed.device), device_guard._MARK)  # a device named
+        assert hasattr(torch.zeros_like(host), device_guard._MARK)  # like a host tensor: on the host
         moved = host.to(placed.device)
         assert not hasattr(moved, device_guard._MARK)
 

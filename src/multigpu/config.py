@@ -232,10 +232,10 @@ class RunConfig:
                 f"strategy 'single' runs one process, got world_size={self.world_size}; "
                 "use world_size=1 or a parallel strategy such as 'ddp'"
             )
-        from multigpu.runtime import machine_gpus
+        from multigpu.runtime import machine_gpus, resolve_requested
 
         # a process per GPU is always useful, whatever the cores (a container may show few)
-        gpus = 0 if self.device == "cpu" else machine_gpus()
+        gpus = 0 if resolve_requested(self.device) == "cpu" else machine_gpus()
         if self.world_size > max(max_cpu_workers(), gpus):
             raise ConfigError(
                 f"world_size={self.world_size} is more processes than this machine can run "

@@ -9,15 +9,18 @@ did exactly that (review finding G2).
 
 With MULTIGPU_DEVICE_GUARD=1 in its environment (the test suite sets it, so every worker it
 starts runs guarded), a worker watches where tensors come from:
-- a tensor made by a factory (`torch.tensor`, `zeros`, `empty`, ...) without a device, or from
-  NumPy, is marked as made on the host by default;
+- a tensor made by a factory (`torch.tensor`, `as_tensor`, `zeros`, `empty`, ...) without a
+  device is marked as made on the host by default;
 - what is computed from marked tensors alone is marked too (`torch.cat` of two, a `.view`);
-- `.to(device)` / `.cuda()` remove the mark: the code said where the tensor belongs.
+- `.to(device)` / `.cuda()`, or any call given `device=`, remove the mark: the code said where
+  the tensor belongs.
 A marked tensor handed to `torch.distributed`'s collectives by this package's code raises
 `DeviceRuleError`, naming the call and where the tensor was made. Libraries' own calls (FSDP,
 DeepSpeed, pipelining) are theirs to get right and are not checked. What it cannot see: a
 tensor moved to the CPU explicitly (`.cpu()`, `device="cpu"`): on a CPU run `.cpu()` returns the
-same tensor, so marking it would mark the rank's own device tensors.
+same tensor, so marking it would mark the rank's own device tensors; for the same reason a
+`x.to(device)` whose result is dropped unmarks `x`; and `torch.from_numpy` /`frombuffer`, which
+the function mode does not see.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ _PACKAGE = str(Path(__file__).resolve().parent)
 # factories whose result lands on the default (host) device unless given one
 _FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray, torch.zeros, torch.ones, torch.empty, torch.full,
               torch.arange, torch.linspace, torch.logspace, torch.eye, torch.rand, torch.randn, torch.randint,
-              torch.randperm, torch.empty_strided, torch.scalar_tensor, torch.from_numpy, torch.frombuffer}
+              torch.randperm, torch.empty_strided, torch.scalar_tensor}
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda}  # with a device: the tensor now lives where the code said
 # the calls that hand tensors to a backend, and where their tensors are among the arguments
 _CALLS = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
@@ -100,12 +103,13 @@ class HostTensors(TorchFunctionMode):
         if not isinstance(out, torch.Tensor):
             return out
         if func in _FACTORIES:
-            if (kwargs.get("device") is None or func is torch.from_numpy) and _marked_input(args) is None \
-                    and not any(isinstance(a, torch.Tensor) for a in args):
+            if kwargs.get("device") is None and not any(isinstance(a, torch.Tensor) for a in args):
                 setattr(out, _MARK, _made_where())
             return out
         marked = _marked_input(args)
         if marked is None:  # nothing made on the host went in: nothing to follow
+            return out
+        if kwargs.get("device") is not None and out is not marked:  # zeros_like(x, device=...): placed
             return out
         if func in _MOVES:
             if _names_a_device(func, args, kwargs):
