@@ -51,6 +51,7 @@ def run_dirs(tmp_path, monkeypatch) -> Path:
     torchrun and worker command line names that folder."""
     import tempfile
 
+    import torch._dynamo  # noqa: F401 - its first import makes a cache folder in the temp dir: not here
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     return tmp_path
 
