@@ -282,7 +282,7 @@ def test_a_run_that_cannot_fit_is_refused_with_the_estimators_numbers(monkeypatc
     """With 200 MiB free, gpt-small at a batch of 256 is refused before any worker starts,
     with what it needs, what is free and the largest batch the estimator says fits."""
     launch_module = sys.modules["multigpu.launch"]
-    monkeypatch.setattr(launch_module, "available_bytes", lambda device: 200 * 2**20)
+    monkeypatch.setattr(launch_module, "available_bytes", lambda device, gpu=0: 200 * 2**20)
     cfg = RunConfig(strategy="ddp", world_size=2, model="gpt-small", global_batch_size=256, steps=2)
     with pytest.raises(ConfigError) as info:
         launch(cfg, progress=False)
