@@ -76,3 +76,14 @@ def device_rule_guarded(monkeypatch):
     """Every worker a test starts checks the device rule (multigpu.device_guard): a tensor made
     on the host by default and handed to a collective fails the run here, as NCCL would on GPUs."""
     monkeypatch.setenv("MULTIGPU_DEVICE_GUARD", "1")
+
+
+@pytest.fixture
+def committed_records(monkeypatch, tmp_path_factory):
+    """Hold a test to the committed records (results/ as the checkout commits it), in this process
+    and in the ones it starts: a results/<gpu-tag>/ that `make figures` wrote on a GPU machine is
+    not what the record-reading tests expect (review G4b); tests/test_gpu_shaped.py holds the same
+    code to GPU-shaped records."""
+    from gpu_shaped import only_committed_records
+
+    only_committed_records(monkeypatch, tmp_path_factory)

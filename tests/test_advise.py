@@ -12,7 +12,6 @@ from dataclasses import replace
 
 import pytest
 
-from gpu_shaped import only_committed_records
 from multigpu.advise import advise
 from multigpu.config import ConfigError, RunConfig
 from multigpu.estimate import PIPELINES, Setup, degrees, estimate, gpt_parts
@@ -22,15 +21,6 @@ from test_cli import run_cli
 
 GIB = 2**30
 BATCH = 256  # samples of 2048 tokens per step: half a million tokens
-
-
-@pytest.fixture
-def committed_records(monkeypatch, tmp_path_factory):
-    """Tests that use it hold the step-time model to the committed CPU records (results/ as the checkout
-    commits it), in this process and in the ones it starts: a results/<gpu-tag>/ that `make figures`
-    wrote on a GPU machine is not what they expect (review G4b); tests/test_gpu_shaped.py holds
-    the same code to GPU-shaped records."""
-    only_committed_records(monkeypatch, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

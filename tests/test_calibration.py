@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from gpu_shaped import only_committed_records
 from multigpu import records
 from multigpu.accuracy import (
     CALIBRATED_BY,
@@ -22,13 +21,7 @@ from multigpu.estimate import Setup, estimate, predict_largest_batch, saved_acti
 GIB = 2**30
 
 
-@pytest.fixture(autouse=True)
-def committed_records(monkeypatch, tmp_path_factory):
-    """These tests hold the machine's calibration to the committed CPU records (results/ as the checkout
-    commits it), in this process and in the ones it starts: a results/<gpu-tag>/ that `make figures`
-    wrote on a GPU machine is not what they expect (review G4b); tests/test_gpu_shaped.py holds
-    the same code to GPU-shaped records."""
-    only_committed_records(monkeypatch, tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("committed_records")  # the committed records only (conftest)
 
 
 def _committed() -> list[dict]:

@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gpu_shaped import only_committed_records
 from multigpu.accuracy import TOTAL_TOLERANCE, setup_of
 from multigpu.config import OPTIMIZERS, ConfigError, RunConfig, parse_bytes
 from multigpu.memory import PeakMemoryTracker
@@ -24,14 +23,7 @@ from multigpu.models import (
 from multigpu.strategies import build_optimizer
 from multigpu.trace import activation_cost, model_shape
 
-
-@pytest.fixture(autouse=True)
-def committed_records(monkeypatch, tmp_path_factory):
-    """These tests hold the estimator to the committed CPU records (results/ as the checkout
-    commits it), in this process and in the ones it starts: a results/<gpu-tag>/ that `make figures`
-    wrote on a GPU machine is not what they expect (review G4b); tests/test_gpu_shaped.py holds
-    the same code to GPU-shaped records."""
-    only_committed_records(monkeypatch, tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("committed_records")  # the committed records only (conftest)
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt-small", "gpt2", "t5-tiny", "t5-small", "t5-large"])
@@ -289,7 +281,6 @@ def test_estimated_peak_agrees_with_every_recorded_run():
     assert abs(worst["total_error"]) <= TOTAL_TOLERANCE, worst
 
 
-
 # The estimator's peak moments were found by comparing with the recorded runs, so they are
 # also checked on runs it was not fitted to: another model (T5), other optimizers, sequence
 # lengths, batches and dtypes, measured fresh. Totals only: at a peak at the end of
@@ -473,7 +464,6 @@ def test_micro_batches_in_flight_follow_the_schedule(strategy, m, expected):
 def test_bad_grids_are_explained(changes, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         estimate(replace(Setup("gpt-small", seq_len=128), **changes), 8)
-
 
 
 def test_on_a_gpu_the_estimate_adds_the_context_the_cublas_workspaces_and_the_rounding():
