@@ -50,7 +50,7 @@ def outcome(argv: list[str], monkeypatch) -> tuple[str, str]:
         raise Started
 
     monkeypatch.setattr(launch_module, "_run", start)
-    monkeypatch.setattr("multigpu.experiments.run_experiment", start)
+    monkeypatch.setattr("multigpu.experiments.run.run_experiment", start)  # what run_experiments calls
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:

@@ -117,7 +117,7 @@ def test_experiment_lists_are_sized_for_the_gpus(gpus, monkeypatch):
 @pytest.mark.parametrize("experiment", TRAINING)
 def test_every_run_sized_for_gpus_is_valid(experiment, gpus, monkeypatch):
     """What `launch` checks first, for every run an experiment makes on 1, 2, 3, 8 and 16
-    GPUs, as experiments.py sizes them: the config, and a device plan that gives each rank
+    GPUs, as multigpu.experiments sizes them: the config, and a device plan that gives each rank
     (or DataParallel replica) its own GPU."""
     fake_cuda(monkeypatch, gpus)
     for cfg in EXPERIMENTS[experiment]():

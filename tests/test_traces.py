@@ -1,4 +1,4 @@
-"""The ZeRO trace (multigpu.traces.zero_holdings) against the stages' definitions: between
+"""The ZeRO trace (multigpu.experiments.step_traces.zero_holdings) against the stages' definitions: between
 steps a rank holds what the ZeRO formula says, the shards cover the model once, stage 3
 gathers one block at a time (twice per step) and frees it, and stage 2 never holds more
 than two shards of gradients."""
@@ -7,12 +7,12 @@ import pytest
 
 from multigpu.memory import zero_model_states
 from multigpu.spmd import run_spmd
-from multigpu.traces import held_bytes, union
+from multigpu.experiments.step_traces import held_bytes, union
 
 
 @pytest.fixture(scope="module")
 def traces():
-    by_rank = run_spmd("multigpu.traces:zero_holdings", 2)
+    by_rank = run_spmd("multigpu.experiments.step_traces:zero_holdings", 2)
     return {stage: [rank[i] for rank in by_rank] for i, stage in enumerate((1, 2, 3))}
 
 

@@ -412,13 +412,13 @@ def animation_html(anim) -> str:
 
 
 def zero_timeline(ranks: list[dict]):
-    """An animation of one ZeRO step (multigpu.traces.zero_holdings, every rank's trace of one
+    """An animation of one ZeRO step (multigpu.experiments.step_traces.zero_holdings, every rank's trace of one
     stage): for each rank, the model laid end to end, coloured where the rank holds its
     parameters, gradients and optimizer state after each event. Returns a matplotlib
     FuncAnimation (the figure is closed; show it with `HTML(animation_html(anim))`)."""
     from matplotlib.animation import FuncAnimation
 
-    from multigpu.traces import held_bytes, union
+    from multigpu.experiments.step_traces import held_bytes, union
 
     style()
     first, n = ranks[0], len(ranks)

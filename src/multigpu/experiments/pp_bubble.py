@@ -58,7 +58,7 @@ class SleepStage(nn.Module):
         return out
 
 
-# -- the bubble, measured: run under multigpu.spmd.run_spmd("multigpu.pp_bubble:<fn>", p) ------
+# -- the bubble, measured: run under run_spmd("multigpu.experiments.pp_bubble:<fn>", p) ------
 
 
 def _stage(first: bool, last: bool, forward_s: float):

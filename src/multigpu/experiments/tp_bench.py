@@ -3,9 +3,9 @@
 Per token, the MLP's matrix multiplications cost 16 h^2 FLOPs forward (two of 8 h^2), its
 communication 2 all-reduces of h numbers (g forward, f backward). Compute grows as h^2 and
 communication as h, so a wide layer hides its collectives and a narrow one does not. Run
-under `multigpu.spmd.run_spmd("multigpu.tp_bench:mlp_step_times", tp, threads=1)`: on 1
-process the plain MLP, on tp processes the column- then row-parallel one; one thread per
-process, as one GPU per rank.
+under `multigpu.spmd.run_spmd("multigpu.experiments.tp_bench:mlp_step_times", tp, threads=1)`:
+on 1 process the plain MLP, on tp processes the column- then row-parallel one; one thread
+per process, as one GPU per rank.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@
   every event of one step: which elements of the flat model this rank holds as parameters,
   gradients and optimizer state. Drawn by `plots.zero_timeline`.
 - `fsdp_collectives`: FSDP2, every collective of one step in the order issued.
+- `tp_collectives`: a tensor-parallel strategy, every collective of one step by phase, counted
+  and on the loopback wire (experiment "tp_collectives").
 """
 
 from __future__ import annotations
