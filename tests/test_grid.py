@@ -99,3 +99,25 @@ def test_grid_coordinates_put_tp_innermost(sizes):
     world = pp * dp * tp
     coords = [tuple(RankGrid({"pp": pp, "dp": dp, "tp": tp}, r).coord(d) for d in GRID_DIMS) for r in range(world)]
     assert coords == list(itertools.product(range(pp), range(dp), range(tp)))
+
+
+def test_every_committed_run_record_states_its_grid(committed_records):
+    """A record says the grid its run made, not only the degrees its config was given (`tp` on
+    4 processes has tp 1 in its config: not given): the degrees tile the processes, the
+    strategy's own dimension is cut, every degree given is kept, and it is the config's grid."""
+    from multigpu import records
+
+    runs = [r for path in sorted(records.RESULTS_DIR.glob("*/*.jsonl")) for r in records.read_records(path)
+            if "config" in r]
+    assert runs, "no committed run records"
+    for record in runs:
+        c, grid = record["config"], record.get("grid")
+        assert grid is not None, f"a {c['strategy']} record states no grid"
+        assert grid["dp"] * grid["pp"] * grid["tp"] == c["world_size"], (c["strategy"], c["world_size"], grid)
+        spans = STRATEGY_TABLE[c["strategy"]].spans
+        if spans in ("tp", "pp"):
+            assert grid[spans] > 1, (c["strategy"], grid)
+        for d in ("tp", "pp", "dp"):
+            if (c.get(d) or 1) > 1:
+                assert grid[d] == c[d], (c["strategy"], d, grid)
+        assert grid == RunConfig.from_dict(c).grid.as_dict()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from multigpu.check import BF16_TOLERANCE, check
-from multigpu.config import SHARDED, RunConfig
+from multigpu.config import SHARDED, STRATEGY_TABLE, RunConfig
 from multigpu.launch import launch
 
 TOLERANCE = 1e-5
@@ -29,6 +29,12 @@ def assert_parity(result: dict, strategy: str, world_size: int) -> None:
     assert result["max_abs_param_diff"] <= TOLERANCE, result
     assert result["max_abs_loss_diff"] <= TOLERANCE, result
     assert result["passed"] is True
+    # the record states the grid the run made: its degrees tile the processes (dp: the replicas)
+    grid = result["grid"]
+    assert grid["dp"] * grid["pp"] * grid["tp"] == world_size, grid
+    spans = STRATEGY_TABLE[strategy].spans
+    if spans in ("tp", "pp"):  # the strategy's own dimension is really cut
+        assert grid[spans] > 1, grid
 
 
 # DeepSpeed's stage 3 keeps parameters under 100,000 elements whole on every rank, which is
@@ -276,7 +282,7 @@ def test_one_reference_serves_every_check_of_the_same_config(monkeypatch):
     def fake_launch(cfg, params_path, progress):
         started.append((cfg.strategy, cfg.seed, cfg.model))
         torch.save({"w": torch.full((2,), float(cfg.seed))}, params_path)
-        return {"loss": [1.0, 0.5]}
+        return {"loss": [1.0, 0.5], "grid": cfg.grid.as_dict()}
 
     monkeypatch.setattr(check_module, "launch", fake_launch)
     monkeypatch.setattr(check_module, "_references", type(check_module._references)())

@@ -68,8 +68,7 @@ def _config(args) -> RunConfig:
         if args.per_rank_batch_size < 1:
             raise ConfigError(f"--per-rank-batch-size must be >= 1, got {args.per_rank_batch_size}")
         if cfg.strategy in STRATEGIES:
-            cfg._validate_degrees()
-            global_batch_size = args.per_rank_batch_size * cfg.degrees["dp"]
+            global_batch_size = args.per_rank_batch_size * cfg.grid.dp  # the grid, checked
     return cfg.replace(
         global_batch_size=global_batch_size, grad_accum_steps=args.grad_accum_steps,
         seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr, steps=args.steps,

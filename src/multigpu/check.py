@@ -31,15 +31,15 @@ KEPT_REFERENCES = 8  # the one-device runs a process keeps (their losses and tra
 _references: OrderedDict[str, tuple[list[float], dict]] = OrderedDict()
 
 
-def _trained(cfg: RunConfig, progress: bool | None) -> tuple[list[float], dict, str | None]:
-    """(per-step losses, rank 0's trained weights, the device type it ran on) of one run of `cfg`."""
+def _trained(cfg: RunConfig, progress: bool | None) -> tuple[list[float], dict, dict]:
+    """(per-step losses, rank 0's trained weights, the record) of one run of `cfg`."""
     with tempfile.TemporaryDirectory(prefix="multigpu-check-") as tmp:
         path = Path(tmp, "params.pt")
         record = launch(cfg, params_path=path, progress=progress)
-        return record["loss"], torch.load(path), record.get("provenance", {}).get("device_type")
+        return record["loss"], torch.load(path), record
 
 
-def reference_run(reference: RunConfig, progress: bool | None = False) -> tuple[list[float], dict, str | None]:
+def reference_run(reference: RunConfig, progress: bool | None = False) -> tuple[list[float], dict, dict]:
     """`_trained(reference)`, run once per config in this process and kept for the next
     `check` that compares with the same config."""
     key = reference.to_json()
@@ -67,7 +67,7 @@ def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 
         raise ConfigError(str(err)) from None
     cfg = cfg.replace(device=device)
     reference = cfg.replace(strategy="single", world_size=1, tp=1, pp=1, dp=None, grad_accum_steps=1, extra={})
-    ours_loss, ours_params, ours_device = _trained(cfg, progress)
+    ours_loss, ours_params, ours = _trained(cfg, progress)
     ref_loss, ref_params, _ = reference_run(reference, progress)
     if ours_params.keys() != ref_params.keys():
         raise RuntimeError(f"{strategy} returned parameters {sorted(set(ours_params) ^ set(ref_params))} "
@@ -81,7 +81,8 @@ def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 
         "max_abs_param_diff": param_diff,
         "max_abs_loss_diff": loss_diff,
         "tolerance": tolerance,
-        "device": ours_device,  # where the strategy's run ran, as its record says (the reference: the same kind)
+        "device": ours.get("provenance", {}).get("device_type"),  # where it ran (the reference: the same kind)
+        "grid": ours["grid"],  # the rank grid its record states
         "passed": param_diff <= tolerance and loss_diff <= tolerance,
         "loss": ours_loss,
         "reference_loss": ref_loss,

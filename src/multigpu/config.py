@@ -14,121 +14,24 @@ import re
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
-class Strategy:
-    """One row of the strategy table: everything the rest of the package may know about a
-    strategy without importing it. How it works lives in its module, and nowhere else."""
-
-    module: str  # multigpu.strategies.<module>: its prepare(model, cfg, rt) builds it
-    description: str
-    shards: str  # what a rank holds a part of, rather than the whole
-    zero_stage: int | None = 0  # data parallel: what it shards as a ZeRO stage; None: not data parallel
-    spans: str = "dp"  # the grid dimension the strategy's own name spans (dp: one replica per rank)
-    combines: tuple[str, ...] = ()  # further grid dimensions it can be given (--tp, --pp)
-    one_process: bool = False  # every replica a thread of one process (no process group)
-
-
-_DP = "nothing: every rank holds the whole model"
-STRATEGY_TABLE: dict[str, Strategy] = {
-    "single": Strategy("single", "one process, one device: the reference every strategy is tested against",
-                       "nothing (one device)", spans="none"),
-    "ddp": Strategy("ddp", "PyTorch DistributedDataParallel", _DP),
-    "ddp-scratch": Strategy("ddp_scratch", "data parallel from scratch: bucketed all-reduce overlapped with backward "
-                                           "(with --tp: over tp-scratch's layers, 2D from scratch)", _DP,
-                            combines=("tp",)),
-    "dp": Strategy("dp", "DataParallel: one process, one thread per replica (nn.DataParallel on GPUs, "
-                         "from scratch on CPU)", _DP, one_process=True),
-    "zero1": Strategy("zero", "ZeRO stage 1 from scratch: optimizer state sharded", "optimizer state", 1),
-    "zero2": Strategy("zero", "ZeRO stage 2 from scratch: optimizer state and gradients sharded",
-                      "optimizer state, gradients", 2),
-    "zero3": Strategy("zero", "ZeRO stage 3 from scratch: optimizer state, gradients and parameters sharded",
-                      "optimizer state, gradients, parameters", 3),
-    "zero1-torch": Strategy("zero_torch", "ZeRO stage 1 with PyTorch's ZeroRedundancyOptimizer and DDP",
-                            "optimizer state (whole tensors)", 1),
-    "fsdp": Strategy("fsdp", "FSDP2 fully_shard per block (extra reshard_after_forward: True like ZeRO-3, "
-                             "False like ZeRO-2; with --tp: FSDP x TP, 2D)", "optimizer state, gradients, parameters",
-                     3, combines=("tp",)),
-    "fsdp1": Strategy("fsdp1", "FSDP1 FullyShardedDataParallel with transformer_auto_wrap_policy",
-                      "optimizer state, gradients, parameters", 3),
-    "deepspeed-zero1": Strategy("deepspeed", "DeepSpeed ZeRO stage 1", "optimizer state", 1),
-    "deepspeed-zero2": Strategy("deepspeed", "DeepSpeed ZeRO stage 2", "optimizer state, gradients", 2),
-    "deepspeed-zero3": Strategy("deepspeed", "DeepSpeed ZeRO stage 3", "optimizer state, gradients, parameters", 3),
-    "tp-scratch": Strategy("tp_scratch", "tensor parallel from scratch (Megatron): column- and row-parallel "
-                                         "linears, heads split, vocabulary-parallel embedding and loss; "
-                                         "extra sequence_parallel", "every weight matrix, by rows or columns; "
-                                         "activations inside each block (and between blocks with SP)",
-                           zero_stage=None, spans="tp"),
-    "tp": Strategy("tp", "tensor parallel with PyTorch's parallelize_module (Colwise/RowwiseParallel, "
-                         "loss_parallel); extra sequence_parallel", "every weight matrix, by rows or columns; "
-                         "activations inside each block (and between blocks with SP)",
-                   zero_stage=None, spans="tp"),
-    **{name: Strategy(module, description, "the layers: each rank holds its stage's blocks (and their states)",
-                      zero_stage=None, spans="pp", combines=("tp", "dp") if module == "pp" else ())
-       for name, module, description in [
-        ("pp-naive", "pp_scratch", "naive model parallelism from scratch: layers cut into stages, one "
-                                   "micro-batch through all of them at a time"),
-        ("pp-gpipe-scratch", "pp_scratch", "pipeline from scratch, GPipe: all forwards, then all backwards "
-                                           "(micro-batches: grad_accum_steps)"),
-        ("pp-1f1b-scratch", "pp_scratch", "pipeline from scratch, 1F1B: one forward, one backward, at most "
-                                          "p micro-batches in flight"),
-        ("pp-gpipe", "pp", "torch.distributed.pipelining, ScheduleGPipe"),
-        ("pp-1f1b", "pp", "torch.distributed.pipelining, Schedule1F1B (micro-batches >= stages)"),
-        ("pp-interleaved", "pp", "torch.distributed.pipelining, ScheduleInterleaved1F1B: 2 stages per rank"),
-        ("pp-zbv", "pp", "torch.distributed.pipelining, ScheduleZBVZeroBubble: 2 stages per rank in a V, "
-                         "weight gradients deferred into the bubble"),
-        ("pp-dualpipev", "pp", "torch.distributed.pipelining, ScheduleDualPipeV (DeepSeek): 2 stages per rank "
-                               "in a V"),
-    ]},
-}
-# name -> one-line description (what the CLI and the book list)
-STRATEGIES = {name: s.description for name, s in STRATEGY_TABLE.items()}
-# what each data-parallel strategy shards of the model states, as a ZeRO stage: 1 the
-# optimizer state, 2 also the gradients, 3 also the parameters (FSDP, however it reshards)
-ZERO_STAGE = {name: s.zero_stage for name, s in STRATEGY_TABLE.items() if s.zero_stage is not None}
-SHARDED = [name for name, stage in ZERO_STAGE.items() if stage > 0]
-# strategies that run every replica as a thread of one process, not one process each
-ONE_PROCESS = tuple(name for name, s in STRATEGY_TABLE.items() if s.one_process or s.spans == "none")
+from multigpu.errors import ConfigError
+from multigpu.grid import Grid, resolve_grid
+from multigpu.strategy_table import (  # noqa: F401 - the table's names, where callers have always found them
+    FP16_STRATEGIES,
+    ONE_PROCESS,
+    SHARDED,
+    STRATEGIES,
+    STRATEGY_TABLE,
+    ZERO_STAGE,
+    Strategy,
+    fp16_refusal,
+)
 
 DTYPES = ("fp32", "bf16-mixed", "fp16-mixed")
-# fp16-mixed (float16 autocast, fp32 weights, loss scaled by torch.amp.GradScaler) is right only
-# where one plain GradScaler sees every gradient the optimizer steps with, whole, after any
-# all-reduce, and its step can stand in for the strategy's: one device, DDP, DataParallel.
-FP16_STRATEGIES = ("single", "ddp", "dp")
-
-
-def _fp16_refusal(strategy: str) -> str:
-    """Why `strategy` cannot take fp16-mixed here, and what to use instead."""
-    module = STRATEGY_TABLE[strategy].module
-    if module in ("fsdp", "fsdp1"):
-        why = ("FSDP shards the gradients, so the overflow check must be combined over the ranks: it needs "
-               "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which this package does not wire in")
-    elif module == "deepspeed":
-        why = ("DeepSpeed scales the loss itself, through the fp16 section of its config (a dynamic loss scale "
-               "inside the engine), which this package does not set")
-    elif module in ("zero", "zero_torch"):
-        why = ("each rank's optimizer updates only its shard, so a plain GradScaler checks only that shard "
-               "for overflow and one rank could skip a step that another takes")
-    elif module == "ddp_scratch":
-        why = ("its step finishes the gradient all-reduce and updates in one call, leaving no point at which "
-               "GradScaler could unscale and check the averaged gradients")
-    elif STRATEGY_TABLE[strategy].spans == "tp":
-        why = ("each rank holds a slice of every weight's gradient, so an overflow on one rank must skip the "
-               "step on all of them, which a plain GradScaler does not do")
-    else:  # pipelines
-        why = ("each stage holds only its layers' gradients and the schedule runs backward itself, outside "
-               "the loop that scales the loss")
-    return (f"dtype 'fp16-mixed' (float16 autocast with loss scaling by torch.amp.GradScaler) is supported "
-            f"with strategies {', '.join(FP16_STRATEGIES)} only, not {strategy!r}: {why}. Use dtype "
-            f"'bf16-mixed' with {strategy!r} (bfloat16 has fp32's exponent range and needs no loss scaling), "
-            f"or one of {', '.join(FP16_STRATEGIES)} for fp16")
 MAX_BUCKET_MB = 2**20
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 DATASETS = ("synthetic", "dummy")
-
-
-class ConfigError(ValueError):
-    """A RunConfig value that cannot work; the message says which and what to do."""
 
 
 def _choose(name: str, value: str, allowed) -> None:
@@ -180,23 +83,20 @@ class RunConfig:
         return 1 if self.strategy in ONE_PROCESS else self.world_size
 
     @property
-    def degrees(self) -> dict[str, int]:
-        """{"dp", "pp", "tp"}: the rank grid. A strategy's own name spans what tp and pp leave
-        (`tp --world-size 4` is tp 4; `fsdp --world-size 8 --tp 2` is dp 4 x tp 2)."""
-        spans = self.info.spans
-        if spans == "none":
-            return {"dp": 1, "pp": 1, "tp": 1}
-        if spans in ("tp", "pp"):  # a tensor- or pipeline-parallel strategy: data parallel only if given
-            other = "pp" if spans == "tp" else "tp"
-            given, dp = getattr(self, spans), self.dp or 1
-            return {"dp": dp, other: getattr(self, other),
-                    spans: self.world_size // (getattr(self, other) * dp) if given == 1 else given}
-        return {"dp": self.dp or max(1, self.world_size // (self.tp * self.pp)), "pp": self.pp, "tp": self.tp}
+    def grid(self) -> Grid:
+        """The rank grid (grid.resolve_grid, the one rule): a strategy's own name spans what the
+        degrees given leave (`tp --world-size 4` is tp 4; `fsdp --world-size 8 --tp 2` is dp 4 x tp 2)."""
+        return resolve_grid(self.strategy, self.world_size, tp=self.tp, pp=self.pp, dp=self.dp)
 
     @property
-    def process_degrees(self) -> dict[str, int]:
+    def degrees(self) -> dict[str, int]:
+        """{"dp", "pp", "tp"}: the rank grid as a dict."""
+        return self.grid.as_dict()
+
+    @property
+    def process_grid(self) -> Grid:
         """The grid of processes (a one-process strategy's replicas are threads, not ranks)."""
-        return {"dp": 1, "pp": 1, "tp": 1} if self.processes == 1 else self.degrees
+        return Grid() if self.processes == 1 else self.grid
 
     @property
     def per_rank_batch_size(self) -> int:
@@ -242,9 +142,9 @@ class RunConfig:
                 f"usefully ({os.cpu_count()} CPU cores, limit {max_cpu_workers()}; {gpus} CUDA GPU(s)); "
                 "use fewer processes or a machine with more GPUs"
             )
-        self._validate_degrees()
+        self.grid  # noqa: B018 - resolving the grid checks the degrees, with their arithmetic
         if self.dtype == "fp16-mixed" and self.strategy not in FP16_STRATEGIES:
-            raise ConfigError(_fp16_refusal(self.strategy))
+            raise ConfigError(fp16_refusal(self.strategy))
         dp = self.degrees["dp"]
         per_step = dp * self.grad_accum_steps
         if self.global_batch_size % per_step:
@@ -303,40 +203,6 @@ class RunConfig:
                 raise ConfigError(f"fault={self.fault!r} names rank {fault_rank}, but this run has "
                                   f"{self.processes} process(es) (ranks 0 to {self.processes - 1})")
         return self
-
-    def _validate_degrees(self) -> None:
-        """The grid must tile the world exactly, and the strategy must know every dimension
-        it is given: said with the arithmetic, before any process starts."""
-        for name in ("tp", "pp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
-        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
-            raise ConfigError(f"dp must be a whole number >= 1 or None, got {self.dp!r}")
-        info, name = self.info, self.strategy
-        given = [d for d in ("tp", "pp") if getattr(self, d) > 1 and d != info.spans]
-        unknown = [d for d in given if d not in info.combines]
-        if unknown:
-            can = ", ".join(f"--{d}" for d in info.combines) or "no other degree"
-            alone = {"tp": "tensor parallelism: --strategy tp or tp-scratch alone, fsdp or ddp-scratch with --tp "
-                           "(2D), a library pipeline (pp-gpipe, pp-1f1b, ...) with --tp",
-                     "pp": "pipeline parallelism: a --strategy pp-... (pp-1f1b, pp-gpipe, ...), with --dp N for "
-                           "FSDP inside each stage and --tp N for tensor parallel stages"}
-            raise ConfigError(f"strategy {name!r} does not combine with {' and '.join(unknown)} "
-                              f"({' '.join(f'{d}={getattr(self, d)}' for d in unknown)}); it takes {can}. "
-                              f"For {'; for '.join(alone[d] for d in unknown)}")
-        if info.spans in ("tp", "pp") and self.dp not in (None, 1) and "dp" not in info.combines:
-            kind = "tensor" if info.spans == "tp" else "pipeline"
-            raise ConfigError(f"strategy {name!r} is {kind} parallel only: it does not take dp={self.dp}")
-        d = self.degrees
-        uneven = self.dp is None and self.world_size % (self.tp * self.pp)
-        if d["dp"] * d["pp"] * d["tp"] != self.world_size or uneven:
-            if self.dp is not None or info.spans in ("tp", "pp"):
-                raise ConfigError(f"world size {self.world_size} != dp {d['dp']} x pp {d['pp']} x tp {d['tp']} "
-                                  f"= {d['dp'] * d['pp'] * d['tp']}; change --world-size or the degrees")
-            raise ConfigError(f"world size {self.world_size} is not a multiple of pp {self.pp} x tp {self.tp} "
-                              f"= {self.pp * self.tp}, so no data-parallel degree fills it; use a world size "
-                              f"of {self.pp * self.tp}, {2 * self.pp * self.tp}, ...")
 
     # -- serialisation ----------------------------------------------------------------
     def to_dict(self) -> dict:

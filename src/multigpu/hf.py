@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from multigpu.config import ConfigError
-from multigpu.models import loss_from_logits
+from multigpu.errors import ConfigError
+from multigpu.loss import loss_from_logits
 
 # A small Llama: grouped-query attention (4 query heads share 2 key/value heads), RMSNorm,
 # rotary positions, a gated MLP; untied head. 2 and 4 divide every count tensor

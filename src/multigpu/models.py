@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multigpu.config import ConfigError
+from multigpu.errors import ConfigError
+from multigpu.loss import loss_from_logits  # noqa: F401 - also where callers have found it
 
 
 @dataclass(frozen=True)
@@ -369,11 +370,6 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     block_types = transformer_block_types(model)
     apply_ac(model, check_fn=lambda m: isinstance(m, block_types))
     return model
-
-
-def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every label token (in fp32, whatever the logits' dtype)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 def compute_loss(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -13,11 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# The grid's dimensions, outermost first (torchtitan's order). Tensor parallelism is the
-# innermost: its ranks are consecutive, which on a GPU server means the GPUs of one node,
-# joined by the fastest links, because TP talks in every layer. Pipeline stages are the
-# outermost: they exchange only activations between neighbours, the least traffic.
-GRID_DIMS = ("pp", "dp", "tp")
+from multigpu.grid import GRID_DIMS, Grid
 
 
 @dataclass
@@ -36,12 +32,15 @@ class RankGrid:
     _groups: dict = field(default_factory=dict)
 
     @classmethod
-    def build(cls, device_type: str, dp: int = 1, pp: int = 1, tp: int = 1) -> RankGrid:
-        sizes = {"pp": pp, "dp": dp, "tp": tp}
+    def build(cls, device_type: str, grid: Grid | None = None, **degrees: int) -> RankGrid:
+        """This process's place in `grid` (a run's, resolved and checked by grid.resolve_grid), or
+        in the grid of `degrees` (dp=, pp=, tp=; the tests' and the book's small grids). It must be
+        the grid of the processes that started: a mismatch is a bug, not a user's input."""
+        grid = grid or Grid(**degrees)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if pp * dp * tp != world:
-            raise ValueError(f"world size {world} != dp {dp} x pp {pp} x tp {tp} = {dp * pp * tp}")
-        return cls(sizes, dist.get_rank() if dist.is_initialized() else 0, device_type)
+        assert grid.size == world, f"{grid} does not tile the {world} processes started"
+        return cls({d: getattr(grid, d) for d in GRID_DIMS}, dist.get_rank() if dist.is_initialized() else 0,
+                   device_type)
 
     @property
     def mesh(self):

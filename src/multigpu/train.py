@@ -56,7 +56,7 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
     """Train `cfg.steps` optimizer steps; return this rank's measurements, and with
     `keep_params` the whole trained weights (gathered from the shards: only when asked,
     because a full copy of a large model costs as much memory as the model)."""
-    rt.grid = RankGrid.build(rt.device.type, **cfg.process_degrees)
+    rt.grid = RankGrid.build(rt.device.type, cfg.process_grid)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
     machine = ProcessPeaks(rt.device)  # its baseline: before the model exists

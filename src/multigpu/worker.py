@@ -42,6 +42,9 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         {c: r["memory"][c] for c in (*CATEGORIES, "total")} for r in results]
     return {
         "config": cfg.to_dict(),
+        # the rank grid the run made (grid.resolve_grid): `tp --world-size 4` has tp 4 here while its
+        # config keeps the degrees as given (tp 1: not given); dp counts a one-process strategy's replicas
+        "grid": cfg.grid.as_dict(),
         "parameters": results[0]["parameters"],
         "seq_len": results[0]["seq_len"],
         "step_time_s": step_time_s,

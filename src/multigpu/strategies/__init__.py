@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from multigpu.config import ConfigError
+from multigpu.errors import ConfigError
 from multigpu.models import apply_activation_checkpointing, compute_loss
 
 
@@ -142,7 +142,7 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
     applies it itself at its place in the order of `compose.py` (after the pipeline split
     and tensor parallelism); for a strategy that keeps whole layers the two are the same."""
     strategy = importlib.import_module(f"multigpu.strategies.{cfg.info.module}")
-    if cfg.activation_checkpointing and not getattr(strategy, "CHECKPOINTS_ITSELF", False):
+    if cfg.activation_checkpointing and not cfg.info.checkpoints_itself:
         apply_activation_checkpointing(model)
     par = strategy.prepare(model, cfg, rt)
     if cfg.dtype == "fp16-mixed":  # RunConfig.validate admits it only where the plain step is right
