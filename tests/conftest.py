@@ -62,6 +62,17 @@ def processes_mentioning():
     return _processes_mentioning
 
 
+@pytest.fixture(scope="session", autouse=True)
+def spmd_bodies_importable():
+    """The parity tests' SPMD bodies live in tests/spmd/ (run_spmd("spmd.tp_checks:...", n)):
+    tests/ goes on the PYTHONPATH of every process a test starts, so the workers import them
+    as this process does (pytest puts tests/ on its sys.path)."""
+    tests = str(Path(__file__).resolve().parent)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_asked(monkeypatch):
     """device="auto" picks the CPU in every test, and in every process a test starts (workers,

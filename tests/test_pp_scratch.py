@@ -1,7 +1,7 @@
 """Pipeline parallelism from scratch (multigpu.strategies.pp_scratch) against one device.
 
 The schedules are plain lists of actions, tested without processes. The parity checks run in
-`multigpu.pp_checks` on 2 and 4 gloo processes (one launch per p, shared by the tests below):
+`spmd.pp_checks` (tests/spmd/) on 2 and 4 gloo processes (one launch per p, shared by the tests below):
 one step of every schedule, m in {1, 2, 4}, tied and untied head, against one process running
 the same micro-batches in order with loss/m each. A pipeline runs the very same operations in
 the same order, so the gradients are equal bit for bit; only a tied weight's gradient is
@@ -67,7 +67,16 @@ def test_config_problems():
     assert "4 stages" in too_many and "2 blocks" in too_many and "at most 2" in too_many, too_many
     (t5,) = config_problems(_cfg("t5-tiny"))
     assert "t5" in t5 and "gpt-" in t5
-    assert any("dp" in p for p in config_problems(_cfg(dp=2)))
+
+
+@pytest.mark.parametrize("strategy", list(SCHEDULES))
+def test_run_config_refuses_dp_and_tp(strategy):
+    """Stages only: nothing here averages over replicas or cuts layers. The grid's rule says so
+    before any process starts (prepare trusts it)."""
+    with pytest.raises(ConfigError, match="pipeline parallel only: it does not take dp=2"):
+        RunConfig(strategy=strategy, world_size=4, model="gpt-mini", grad_accum_steps=4, dp=2).validate()
+    with pytest.raises(ConfigError, match="does not combine with tp"):
+        RunConfig(strategy=strategy, world_size=4, model="gpt-mini", grad_accum_steps=4, tp=2).validate()
 
 
 @pytest.mark.skipif("pp-1f1b-scratch" not in STRATEGY_TABLE, reason="the pipeline strategies are not in the table yet")
@@ -88,7 +97,7 @@ def _schedule_and_m(key: str) -> tuple[str, int]:
 @cache
 def checks(p: int) -> list[dict]:
     # p=2: gpt-tiny itself; p=4: gpt-tiny with 4 blocks, one per stage
-    return run_spmd("multigpu.pp_checks:schedule_checks", p, n_layer=2 if p == 2 else 4)
+    return run_spmd("spmd.pp_checks:schedule_checks", p, n_layer=2 if p == 2 else 4)
 
 
 @pytest.mark.slow
@@ -97,10 +106,8 @@ def checks(p: int) -> list[dict]:
 def test_schedules_match_single_device(p):
     results = checks(p)
     for rank, result in enumerate(results):
-        assert "dp" in result["refused"]  # a grid with dp > 1 is refused, saying why
-        runs = {key: got for key, got in result.items() if key != "refused"}
-        assert len(runs) == 3 * 3 * 2 + 1
-        for key, got in runs.items():
+        assert len(result) == 3 * 3 * 2 + 1
+        for key, got in result.items():
             where = (rank, key)
             assert got["stage"] == rank
             assert got["names_known"] and got["weight_names_match"], where
@@ -117,8 +124,6 @@ def test_schedules_match_single_device(p):
 def test_event_log(p):
     for rank, result in enumerate(checks(p)):
         for key, got in result.items():
-            if key == "refused":
-                continue
             schedule, m = _schedule_and_m(key)
             events = got["events"]
             assert all(e["stage"] == rank for e in events)

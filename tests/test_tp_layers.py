@@ -1,6 +1,6 @@
 """Tensor parallelism from scratch (multigpu.strategies.tp_scratch) against one device.
 
-The checks run in `multigpu.tp_checks` on 2 and 4 gloo processes and return the largest
+The checks run in `spmd.tp_checks` (tests/spmd/) on 2 and 4 gloo processes and return the largest
 differences; each launch costs a few seconds, so one launch per (checks, tp) is shared by
 the tests below. A tensor-parallel layer sums in another order (a row-parallel matmul adds
 tp partial sums), so results agree within float32 rounding, not bit for bit.
@@ -12,6 +12,7 @@ from functools import cache
 
 import pytest
 
+from multigpu.config import ConfigError, RunConfig
 from multigpu.models import GPT_SIZES
 from multigpu.spmd import run_spmd
 from multigpu.strategies.tp_scratch import check_divisible
@@ -21,12 +22,12 @@ TOLERANCE = 1e-5  # absolute, on quantities of order 1; measured: at most ~2e-6
 
 @cache
 def layers(tp: int) -> list[dict]:
-    return run_spmd("multigpu.tp_checks:layer_checks", tp)
+    return run_spmd("spmd.tp_checks:layer_checks", tp)
 
 
 @cache
 def gpt(tp: int) -> list[dict]:
-    return run_spmd("multigpu.tp_checks:gpt_checks", tp)
+    return run_spmd("spmd.tp_checks:gpt_checks", tp)
 
 
 @pytest.mark.slow
@@ -100,3 +101,12 @@ def test_tp_must_divide_the_vocabulary():
     with pytest.raises(ValueError, match="tp 2 does not divide the 127 vocabulary entries"):
         check_divisible(replace(GPT_SIZES["gpt-tiny"], vocab_size=127), 2)
     check_divisible(GPT_SIZES["gpt2"], 1)  # tp 1 divides everything
+
+
+def test_run_config_refuses_dp_and_pp():
+    """tp-scratch splits layers only: nothing averages over replicas or runs stages (ddp-scratch
+    --tp adds dp). The grid's rule says so before any process starts (prepare trusts it)."""
+    with pytest.raises(ConfigError, match="tensor parallel only: it does not take dp=2"):
+        RunConfig(strategy="tp-scratch", world_size=4, tp=2, dp=2).validate()
+    with pytest.raises(ConfigError, match="does not combine with pp"):
+        RunConfig(strategy="tp-scratch", world_size=4, tp=2, pp=2).validate()

@@ -3,7 +3,7 @@
 Parity: one forward, backward and SGD step of the tensor-parallel model on N processes
 equals the same step of the single-device model, for the loss, every gradient (gathered
 whole) and every updated parameter, within 1e-5 in fp32 (we see ~1e-7: the ranks sum
-partial products in another order). The workers live in multigpu.tp_library_checks; each
+partial products in another order). The workers live in spmd.tp_library_checks (tests/spmd/); each
 launch costs seconds, so one launch runs every case of a test.
 """
 
@@ -17,10 +17,10 @@ import torch
 from multigpu.hf import TINY_LLAMA, build_causal_lm, hf_loss, write_tiny_llama_config
 from multigpu.models import apply_activation_checkpointing, build_model, loss_from_logits
 from multigpu.spmd import run_spmd
-from multigpu.strategies.tp import concrete_plan, gpt_plan, parallelize_gpt, parallelize_hf_causal_lm, split_qkv
+from multigpu.strategies.tp_plan import concrete_plan, gpt_plan, parallelize_gpt, parallelize_hf_causal_lm, split_qkv
 
 TOLERANCE = 1e-5
-CHECKS = "multigpu.tp_library_checks:several"
+CHECKS = "spmd.tp_library_checks:several"
 SP, NO_LP, AC = {"sequence_parallel": True}, {"loss_parallel": False}, {"activation_checkpointing": True}
 GPT_CASES = [NO_LP, {}, {**SP, **NO_LP}, SP, AC, {**SP, **AC}]
 

@@ -8,7 +8,7 @@ torchtitan/models/llama3/infra/parallelize.py and pipeline.py):
 1. **Pipeline split** (`pp.build_stages`): each rank keeps its stages' blocks, from a whole
    model built from the same seed. It comes first because everything after works on the
    modules a rank keeps: there is no point cutting or sharding what it will delete.
-2. **Tensor parallelism** (`tp.parallelize`): every weight matrix of the kept modules is cut
+2. **Tensor parallelism** (`tp_plan.parallelize`): every weight matrix of the kept modules is cut
    over the tp ranks and becomes a DTensor on the tp mesh. It must see the plain modules,
    whose paths its plan names.
 3. **Activation checkpointing**: each block wrapped to recompute its forward in backward.
@@ -39,8 +39,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from multigpu.models import apply_activation_checkpointing, transformer_blocks
-
-ORDER = ("pipeline split", "tensor parallel", "activation checkpointing", "data parallel / sharding")
+from multigpu.strategies import tp_plan
 
 
 def parallelize(model: nn.Module, cfg, grid, *, shard: bool, root: nn.Module | None = None,
@@ -49,17 +48,15 @@ def parallelize(model: nn.Module, cfg, grid, *, shard: bool, root: nn.Module | N
     place; step 4 when `shard` (FSDP over the grid's dp ranks). `root`: the module FSDP
     wraps last (default `model`; a pipeline stage passes the module the schedule calls,
     which must itself be the FSDP module). Returns the module
-    whose call computes the loss: `tp.LossModule` when tp > 1 (loss-parallel cross-entropy
+    whose call computes the loss: `tp_plan.LossModule` when tp > 1 (loss-parallel cross-entropy
     needs its context), else `model`. loss_parallel: None reads extra `loss_parallel`
     (default on); a pipeline stage, whose loss the schedule computes, passes False."""
     module = model
     extra = cfg.extra or {}
     if grid.size("tp") > 1:  # 2. tensor parallel
-        from multigpu.strategies import tp
-
-        module = tp.parallelize(model, grid.mesh["tp"], sequence_parallel=bool(extra.get("sequence_parallel")),
-                                loss_parallel=extra.get("loss_parallel", True) if loss_parallel is None
-                                else loss_parallel)
+        module = tp_plan.parallelize(
+            model, grid.mesh["tp"], sequence_parallel=bool(extra.get("sequence_parallel")),
+            loss_parallel=extra.get("loss_parallel", True) if loss_parallel is None else loss_parallel)
     if cfg.activation_checkpointing:  # 3. activation checkpointing
         apply_activation_checkpointing(model)
     if shard:  # 4. data parallel, sharded (or hybrid: sharded in groups, the groups replicas)

@@ -118,10 +118,11 @@ def prepare(model, cfg, rt) -> Parallelized:
     module, tp_step, gather = model, (lambda: None), None
     if rt.grid.size("tp") > 1:  # tensor parallel first: the buckets then hold this rank's shards
         from multigpu.strategies import tp_scratch
+        from multigpu.strategies.state import sliced_state_dict
 
         tp_group, sp = rt.grid.group("tp"), bool(cfg.extra.get("sequence_parallel", False))
         module = tp_scratch.parallelize(model, tp_group, sp)
-        gather = partial(tp_scratch.full_state_dict, model, tp_group)
+        gather = partial(sliced_state_dict, model, tp_group)
         if sp:
             tp_step = partial(tp_scratch.sync_sequence_parallel_grads, model, tp_group)
     group = rt.grid.group("dp")

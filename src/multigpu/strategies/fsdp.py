@@ -21,9 +21,7 @@ across the groups (the order in `compose.py`); each parameter is then a 2-D DTen
 from contextlib import contextmanager
 
 from multigpu.strategies import Parallelized, build_optimizer, compose
-from multigpu.strategies.tp import whole_state_dict
-
-CHECKPOINTS_ITSELF = True  # activation checkpointing is step 3 of compose's order
+from multigpu.strategies.state import whole_state_dict
 
 
 def config_problems(cfg) -> list[str]:

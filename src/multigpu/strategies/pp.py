@@ -70,13 +70,13 @@ from multigpu.models import GPT, loss_from_logits
 from multigpu.strategies import Parallelized, build_optimizer, compose
 from multigpu.strategies.pp_scratch import ActionClock
 from multigpu.strategies.pp_split import (
-    gather_state_dict,
     local_grad,
     loss_to_all,
     split_gpt,
     sync_tied_embedding,
     tied_embedding_group,
 )
+from multigpu.strategies.state import pipeline_state_dict
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def config_problems(cfg) -> list[str]:
     """What RunConfig.validate reports before any process starts."""
     from multigpu.models import family
 
-    name, p, m = cfg.strategy, cfg.world_size, cfg.grad_accum_steps
+    name, m = cfg.strategy, cfg.grad_accum_steps
     if name not in SCHEDULES:
         return [f"no pipeline schedule is called {name!r}; choose one of: {', '.join(SCHEDULES)}"]
     p = cfg.degrees["pp"]
@@ -222,17 +222,12 @@ def config_problems(cfg) -> list[str]:
     return problems
 
 
-CHECKPOINTS_ITSELF = True  # activation checkpointing is step 3 of compose's order, per stage
-
-
 def prepare(model: nn.Module, cfg, rt) -> Parallelized:
     grid, name = rt.grid, cfg.strategy
     if not isinstance(model, GPT):
         raise ValueError(f"{name} cuts the package's GPT into stages, not a {type(model).__name__}")
+    # m suits the schedule: config_problems (RunConfig.validate) refused it otherwise, before any process started
     schedule, p, rank, m = SCHEDULES[name], grid.size("pp"), grid.coord("pp"), cfg.grad_accum_steps
-    why = microbatch_problem(name, m, p)
-    if why:
-        raise ValueError(why)
     stages = build_stages(model, schedule, rank, p, rt.device, cfg, grid)
     num_stages = stages[0].num_stages
     last_rank = stage_rank(schedule, num_stages - 1, p)
@@ -279,7 +274,7 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
     # the library's stages call in backward ("A leaf node was passed to
     # _will_engine_execute_node ..."); memory is recorded as not measured
     return Parallelized(module=local, optimizer=optimizer, model=local, train_step=train_step,
-                        gather_state_dict=lambda: gather_state_dict([s.piece for s in stages], grid),
+                        gather_state_dict=lambda: pipeline_state_dict([s.piece for s in stages], grid),
                         counts_own_memory=True,
                         report=lambda: {"schedule": name, "schedule_class": schedule.cls.__name__,
                                         "num_stages": num_stages, "microbatches": m,

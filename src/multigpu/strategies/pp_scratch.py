@@ -42,12 +42,12 @@ import torch.distributed as dist
 
 from multigpu.strategies import Parallelized, build_optimizer
 from multigpu.strategies.pp_split import (
-    gather_state_dict,
     loss_to_all,
     split_gpt,
     sync_tied_embedding,
     tied_embedding_group,
 )
+from multigpu.strategies.state import pipeline_state_dict
 
 # -- the event log's clock ------------------------------------------------------------------
 
@@ -316,24 +316,16 @@ def config_problems(cfg) -> list[str]:
     if kind != "gpt":
         return [f"the pipeline from scratch cuts the package's GPT into stages, and {cfg.model!r} is a "
                 f"{kind} model; use a gpt-* preset (e.g. gpt-mini, 4 blocks) or a gpt2 config.json"]
-    problems = []
-    others = {d: cfg.degrees[d] for d in ("dp", "tp") if cfg.degrees[d] > 1}
-    if others:
-        problems.append(f"it runs pipeline stages only, got {others}; set dp and tp to 1")
     stages = cfg.degrees["pp"]
     n_layer = GPT_SIZES[cfg.model].n_layer if cfg.model in GPT_SIZES else read_config_file(cfg.model)["n_layer"]
     if stages > n_layer:
-        problems.append(f"{stages} stages cannot split {cfg.model}'s {n_layer} blocks (a stage needs at least "
-                        f"one); use at most {n_layer} processes, or a deeper model (gpt-mini has 4 blocks, "
-                        "gpt-small 6)")
-    return problems
+        return [f"{stages} stages cannot split {cfg.model}'s {n_layer} blocks (a stage needs at least one); "
+                f"use at most {n_layer} processes, or a deeper model (gpt-mini has 4 blocks, gpt-small 6)"]
+    return []
 
 
 def prepare(model, cfg, rt) -> Parallelized:
-    grid = rt.grid
-    others = {d: grid.size(d) for d in ("dp", "tp") if grid.size(d) > 1}
-    if others:  # nothing here averages over replicas or splits layers (yet)
-        raise ValueError(f"{cfg.strategy} runs on a pipeline-only grid, got {others}; set dp and tp to 1")
+    grid = rt.grid  # pipeline stages only: RunConfig.validate refuses a dp or tp (the strategy table's `combines`)
     if cfg.strategy not in SCHEDULES:
         raise ValueError(f"no pipeline schedule is called {cfg.strategy!r}; choose one of: {', '.join(SCHEDULES)}")
     stage, p = grid.coord("pp"), grid.size("pp")
@@ -355,4 +347,4 @@ def prepare(model, cfg, rt) -> Parallelized:
                 "peak_in_flight": pipe.peak_in_flight, "step_start_unix": pipe.step_start_unix}
 
     return Parallelized(module=model, optimizer=optimizer, model=model, train_step=train_step, report=report,
-                        gather_state_dict=lambda: gather_state_dict([model], grid))
+                        gather_state_dict=lambda: pipeline_state_dict([model], grid))

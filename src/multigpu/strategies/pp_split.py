@@ -13,7 +13,8 @@ Every pipeline strategy (from scratch or the library's) starts here:
   summed between the two stages (Megatron's "embedding group"), so both copies take the
   same step: `sync_tied_embedding`.
 - The loss is known on the last stage only: `loss_to_all` sends it to the others, so every
-  rank records the same loss; `gather_state_dict` puts the stages' weights back together.
+  rank records the same loss (`state.pipeline_state_dict` puts the stages' weights back
+  together).
 """
 
 from __future__ import annotations
@@ -110,23 +111,3 @@ def loss_to_all(loss: float | torch.Tensor, grid, device: torch.device, src: int
     if pp > 1:
         dist.broadcast(value, group=grid.group("pp"), group_src=pp - 1 if src is None else src)
     return value.item()
-
-
-def gather_state_dict(pieces: list[GPT], grid) -> dict[str, torch.Tensor]:
-    """Every stage's parameters, whole model, on every rank of the pipeline, under the
-    single-device names (a tied weight under both of its names, as GPT.state_dict has).
-    `pieces`: this rank's stages (one, or two under interleaved and V schedules), whose
-    weights may be DTensors (tensor parallel, FSDP) to be gathered whole first."""
-    from multigpu.strategies.tp import whole_state_dict
-
-    mine = {}
-    for piece in pieces:
-        mine.update({k: v.detach().cpu().clone() for k, v in whole_state_dict(piece).items()})
-    parts = [None] * grid.size("pp")
-    dist.all_gather_object(parts, mine, group=grid.group("pp"))
-    state = {}
-    for part in parts:
-        state.update(part)
-    if is_tied(pieces[0]) and "wte.weight" in state:
-        state.setdefault("lm_head.weight", state["wte.weight"])
-    return state

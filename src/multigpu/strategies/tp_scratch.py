@@ -4,27 +4,14 @@ Shoeybi et al. 2019 (Megatron-LM, https://arxiv.org/abs/1909.08053, section 3) c
 of linear layers so that the pair needs no communication in between: the first by its
 output features (column-parallel: rank r computes heads r*H/tp ..., or a slice of the MLP's
 hidden units), the second by its input features (row-parallel: each rank multiplies its
-slice and holds a partial sum of the full output). Two conjugate operators carry all the
-communication, one at each end of such a region:
-
-    f: identity in forward, all-reduce in backward.  Entering: every rank feeds the same X
-       to its slice, so X's gradient is the sum of every slice's contribution.
-    g: all-reduce in forward, identity in backward.  Leaving: the partial sums are added;
-       the gradient of a sum reaches every addend unchanged.
-
-The backward swaps them because they are each other's transpose: "copy X to N ranks" and
-"sum N tensors" are adjoint linear maps. So a block costs two all-reduces in forward (g after
-attention and after the MLP) and two in backward (f before them).
-
-Sequence parallelism (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198) splits g's
-all-reduce into its two halves: leave a region with a reduce-scatter along the sequence (each
-rank keeps seq/tp positions of the sum), enter the next with an all-gather. In between
-(LayerNorms, residual adds) each rank computes and stores only its share of the sequence,
-for the same bytes on the wire. Again the backward swaps them: all-gather <-> reduce-scatter.
-(That paper reuses the letters: its g is our `sp_gather`, its g-bar our `sp_scatter`.)
+slice and holds a partial sum of the full output). All the communication happens at the two
+ends of such a region, by the operators of `tp_regions.py`: f entering it (identity forward,
+all-reduce backward) and g leaving it (all-reduce forward, identity backward); under
+sequence parallelism an all-gather of the sequence entering and a reduce-scatter leaving.
 
 Every sharded weight is cut from the full single-device weight, so a run starts exactly
-where one device would, and every parameter keeps its single-device name.
+where one device would, and every parameter keeps its single-device name (`state.py`
+gathers them whole again).
 Layout throughout: [batch, seq, hidden], as in models.py (Megatron's own is [seq, batch, hidden]).
 """
 
@@ -39,109 +26,8 @@ from torch import nn
 
 from multigpu.models import GPT, GPT_SIZES, split_problems
 from multigpu.strategies import Parallelized, build_optimizer
-
-SEQ = 1  # the sequence dimension of [batch, seq, hidden]
-
-
-# -- the communication: two collectives along any dim, and the four conjugate operators --------
-# gloo wants contiguous tensors: we send a contiguous copy, never a view or autograd's own grad.
-
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Every rank's x, concatenated along dim (all_gather_single concatenates along dim 0)."""
-    x = x.transpose(0, dim).contiguous()
-    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=group)
-    return out.transpose(0, dim).contiguous()
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The sum of x over ranks, of which this rank keeps its 1/tp along dim."""
-    x = x.transpose(0, dim).contiguous()
-    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
-    dist.reduce_scatter_single(out, x, group=group)
-    return out.transpose(0, dim).contiguous()
-
-
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous().clone()  # a fresh tensor: x may be an input, or a grad another node shares
-    dist.all_reduce(x, group=group)
-    return x
-
-
-class CopyToParallelRegion(torch.autograd.Function):
-    """f: identity forward, all-reduce backward (Megatron's _CopyToModelParallelRegion)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class ReduceFromParallelRegion(torch.autograd.Function):
-    """g: all-reduce forward, identity backward (Megatron's _ReduceFromModelParallelRegion)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Enter a region under SP: all-gather the sequence forward, reduce-scatter it backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, SEQ, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, SEQ, ctx.group), None
-
-
-class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Leave a region under SP: reduce-scatter the sequence forward, all-gather it backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, SEQ, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, SEQ, ctx.group), None
-
-
-def f(x, group):
-    return CopyToParallelRegion.apply(x, group)
-
-
-def g(x, group):
-    return ReduceFromParallelRegion.apply(x, group)
-
-
-def sp_gather(x, group):
-    return GatherFromSequenceParallelRegion.apply(x, group)
-
-
-def sp_scatter(x, group):
-    return ReduceScatterToSequenceParallelRegion.apply(x, group)
-
-
-def enter_region(x, group, sequence_parallel: bool = False):
-    return sp_gather(x, group) if sequence_parallel else f(x, group)
-
-
-def leave_region(x, group, sequence_parallel: bool = False):
-    return sp_scatter(x, group) if sequence_parallel else g(x, group)
-
+from multigpu.strategies.state import sliced_state_dict
+from multigpu.strategies.tp_regions import f, g, sp_gather, sp_scatter
 
 # -- the layers ------------------------------------------------------------------------------
 
@@ -152,7 +38,7 @@ def _shard(full: torch.Tensor, dim: int, group, parts: int = 1) -> nn.Parameter:
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     pieces = [part.chunk(tp, dim)[rank] for part in full.detach().chunk(parts, dim)]
     param = nn.Parameter(torch.cat(pieces, dim).clone(), requires_grad=full.requires_grad)
-    param.tensor_parallel_dim, param.tensor_parallel_parts = dim, parts  # how _unsharded puts it back
+    param.tensor_parallel_dim, param.tensor_parallel_parts = dim, parts  # how state.sliced_state_dict puts it back
     return param
 
 
@@ -179,8 +65,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if linear.bias is None else _shard(linear.bias, 0, group, parts)  # (out/tp,)
 
     def forward(self, x):  # x: (batch, seq, in), or (batch, seq/tp, in) under SP
-        if self.enter:
-            x = enter_region(x, self.group, self.sequence_parallel)
+        if self.enter:  # f, or under SP the all-gather of the sequence
+            x = sp_gather(x, self.group) if self.sequence_parallel else f(x, self.group)
         return F.linear(x, self.weight, self.bias)  # (batch, seq, out/tp): stays split
 
 
@@ -198,7 +84,9 @@ class RowParallelLinear(nn.Module):
             _mark_sequence_parallel(self.bias)  # added to this rank's positions only
 
     def forward(self, x):  # x: (batch, seq, in/tp)
-        y = leave_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        y = F.linear(x, self.weight)  # this rank's partial sum
+        # g, or under SP the reduce-scatter of the sequence
+        y = sp_scatter(y, self.group) if self.sequence_parallel else g(y, self.group)
         return y if self.bias is None else y + self.bias  # (batch, seq or seq/tp, out)
 
 
@@ -217,7 +105,8 @@ class VocabParallelEmbedding(nn.Module):
         elsewhere = (ids < self.start) | (ids >= self.start + self.weight.shape[0])
         local = (ids - self.start).masked_fill(elsewhere, 0)
         out = F.embedding(local, self.weight).masked_fill(elsewhere.unsqueeze(-1), 0.0)
-        return leave_region(out, self.group, self.sequence_parallel)  # (batch, seq or seq/tp, d)
+        # the sum over ranks, g (or the SP reduce-scatter): (batch, seq or seq/tp, d)
+        return sp_scatter(out, self.group) if self.sequence_parallel else g(out, self.group)
 
 
 class SequenceShardedPositions(nn.Module):
@@ -338,40 +227,6 @@ def sync_sequence_parallel_grads(model: nn.Module, group) -> None:
         grad.copy_(summed.view_as(grad))
 
 
-def _unsharded(model: nn.Module, group, read) -> dict[str, torch.Tensor]:
-    model = model.model if isinstance(model, TensorParallelLM) else model
-    out, done = {}, {}
-    # state_dict's names are the single-device ones: checkpoint_wrapper strips its prefix, and
-    # a tied weight appears under both names (gathered once)
-    for name, p in model.state_dict(keep_vars=True).items():
-        if id(p) not in done:
-            t, dim = read(p), getattr(p, "tensor_parallel_dim", None)
-            done[id(p)] = t if t is None or dim is None else _whole(t.detach(), dim, p.tensor_parallel_parts, group)
-        out[name] = done[id(p)]
-    return out
-
-
-def _whole(shard: torch.Tensor, dim: int, parts: int, group) -> torch.Tensor:
-    """Undo `_shard`: gather every rank's piece along dim; a fused tensor's pieces come back
-    as [rank 0's q k v | rank 1's q k v | ...] and are regrouped into [all q | all k | all v]."""
-    gathered = _all_gather(shard, dim, group)
-    if parts == 1:
-        return gathered
-    pieces = gathered.chunk(dist.get_world_size(group) * parts, dim)  # rank-major: (rank, part)
-    tp = dist.get_world_size(group)
-    return torch.cat([pieces[r * parts + k] for k in range(parts) for r in range(tp)], dim)
-
-
-def full_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
-    """Every parameter whole, under the single-device names, on every rank of the group."""
-    return _unsharded(model, group, lambda p: p.detach())
-
-
-def full_grads(model: nn.Module, group) -> dict[str, torch.Tensor | None]:
-    """Every parameter's gradient whole, under the single-device names (for parity tests)."""
-    return _unsharded(model, group, lambda p: p.grad)
-
-
 def config_problems(cfg) -> list[str]:
     """What RunConfig.validate reports before any process starts."""
     from multigpu.models import family
@@ -383,9 +238,7 @@ def config_problems(cfg) -> list[str]:
 
 
 def prepare(model, cfg, rt) -> Parallelized:
-    others = {dim: rt.grid.size(dim) for dim in ("dp", "pp") if rt.grid.size(dim) > 1}
-    if others:  # nothing here averages gradients over data-parallel replicas or runs stages
-        raise ValueError(f"tp-scratch runs on a tp-only grid, got {others}; set dp and pp to 1")
+    # a tp-only grid: RunConfig.validate refuses a dp or pp (the strategy table's `combines`)
     group = rt.grid.group("tp")
     sp = bool(cfg.extra.get("sequence_parallel", False))
     module = parallelize(model, group, sp)
@@ -397,4 +250,4 @@ def prepare(model, cfg, rt) -> Parallelized:
         optimizer.step()
 
     return Parallelized(module=module, optimizer=optimizer, model=model, step=step,
-                        gather_state_dict=partial(full_state_dict, model, group))
+                        gather_state_dict=partial(sliced_state_dict, model, group))

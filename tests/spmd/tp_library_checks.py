@@ -1,6 +1,7 @@
-"""SPMD checks of multigpu.strategies.tp, for tests and the chapter.
+"""SPMD checks of the library's tensor parallelism (multigpu.strategies.tp and tp_plan), for
+tests/test_tp_library.py.
 
-    run_spmd("multigpu.tp_library_checks:parity", 2, cases=[{"sequence_parallel": True}])
+    run_spmd("spmd.tp_library_checks:parity", 2, cases=[{"sequence_parallel": True}])
 
 Every rank builds the single-device model from the same seed and trains it one step on
 the whole batch: the reference. Then it builds the model again, makes it tensor-parallel
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from multigpu.comm import CommCounter
 from multigpu.models import build_model, compute_loss
-from multigpu.strategies.tp import fused_state_dict
+from multigpu.strategies.state import fused_state_dict
 
 
 def _build(model_name: str, seed: int):
@@ -126,7 +127,7 @@ def seq_len_error(seq_len: int = 15) -> str:
     """Sequence parallelism on a sequence the ranks cannot share evenly: the message."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from multigpu.strategies.tp import parallelize_gpt
+    from multigpu.strategies.tp_plan import parallelize_gpt
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = parallelize_gpt(build_model("gpt-tiny"), mesh, sequence_parallel=True)

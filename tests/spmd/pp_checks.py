@@ -1,11 +1,11 @@
 """Parity checks for pipeline parallelism from scratch (multigpu.strategies.pp_scratch).
 
 `schedule_checks` runs inside a process group of p ranks, one pipeline stage each, via
-`multigpu.spmd.run_spmd("multigpu.pp_checks:schedule_checks", p)`. Every rank builds the
-same model and micro-batches from one seed, runs the plain reference (one process, the
-micro-batches in order, each loss divided by m) and one training step of each schedule, and
-returns the differences, whether they were zero, and the schedule's event log, so that a
-test or a notebook can judge them.
+`multigpu.spmd.run_spmd("spmd.pp_checks:schedule_checks", p)` (tests/test_pp_scratch.py).
+Every rank builds the same model and micro-batches from one seed, runs the plain reference
+(one process, the micro-batches in order, each loss divided by m) and one training step of
+each schedule, and returns the differences, whether they were zero, and the schedule's event
+log, so that the test can judge them.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def schedule_checks(n_layer: int = 2, ms=(1, 2, 4), schedules=tuple(pp_scratch.S
                     seq: int = 16, seed: int = 0, lr: float = 0.1) -> dict:
     """For tied and untied heads, each m in `ms` and each schedule: one step on this stage
     against the reference. Keys "<schedule>/m<m>/<tied|untied>"; also "bf16" (1F1B under bf16
-    autocast, m=2) and "refused" (the error prepare gives a grid with dp > 1)."""
+    autocast, m=2)."""
     p = dist.get_world_size()
     grid = RankGrid.build("cpu", pp=p)
     vocab = GPT_SIZES["gpt-tiny"].vocab_size
@@ -99,9 +99,4 @@ def schedule_checks(n_layer: int = 2, ms=(1, 2, 4), schedules=tuple(pp_scratch.S
     micro_batches = _micro_batches(vocab, 2, batch, seq, seed)
     reference = _reference(n_layer, True, seed, micro_batches, lr, torch.bfloat16)
     out["bf16"] = _one("pp-1f1b-scratch", n_layer, True, seed, micro_batches, lr, grid, reference, torch.bfloat16)
-    try:  # data parallel inside a pipeline: not supported yet, said before any group is made
-        pp_scratch.prepare(_model(n_layer, True, seed), SimpleNamespace(strategy="pp-1f1b-scratch"),
-                           SimpleNamespace(grid=RankGrid.build("cpu", pp=p // 2, dp=2)))
-    except ValueError as err:
-        out["refused"] = str(err)
     return out

@@ -1,6 +1,6 @@
-"""SPMD checks of multigpu.strategies.pp (torch.distributed.pipelining), for tests and the chapter.
+"""SPMD checks of multigpu.strategies.pp (torch.distributed.pipelining), for tests/test_pp_library.py.
 
-    run_spmd("multigpu.pp_library_checks:parity", 2, cases=[{"strategy": "pp-1f1b", "m": 4}])
+    run_spmd("spmd.pp_library_checks:parity", 2, cases=[{"strategy": "pp-1f1b", "m": 4}])
 
 Every rank builds the single-device model from the same seed and trains it with the plain
 micro-batch step (`micro_batch_step`: the same m micro-batches in order, each loss divided
@@ -106,24 +106,6 @@ def parity(cases: list[dict], micro: int = 2, seq_len: int = 16, lr: float = 0.1
             "report": par.report(),
         })
     return results
-
-
-def refusal(strategy: str, m: int) -> str:
-    """The ValueError `prepare` raises for m micro-batches (it never builds a schedule that
-    would hang), as text; "" if it raised none."""
-    from multigpu.runtime import RankGrid
-    from multigpu.strategies.pp import prepare
-
-    world = dist.get_world_size()
-    rt = SimpleNamespace(grid=RankGrid.build("cpu", pp=world), device=torch.device("cpu"),
-                         world_size=world, rank=dist.get_rank())
-    cfg = SimpleNamespace(strategy=strategy, grad_accum_steps=m, optimizer="sgd", lr=0.1, extra={},
-                          activation_checkpointing=False)
-    try:
-        prepare(build("deep"), cfg, rt)
-    except ValueError as e:
-        return str(e)
-    return ""
 
 
 def several(calls: list[tuple[str, dict]]) -> list:

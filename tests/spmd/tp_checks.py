@@ -1,10 +1,10 @@
 """Parity checks for tensor parallelism from scratch (multigpu.strategies.tp_scratch).
 
 Each function runs inside a process group of tp ranks, via
-`multigpu.spmd.run_spmd("multigpu.tp_checks:<name>", tp)`, builds the same tensors on every
-rank from one seed, runs a layer on one process's worth of data the plain way and the
-tensor-parallel way, and returns the largest absolute differences (plus what was counted),
-so that a test or a notebook can judge them.
+`multigpu.spmd.run_spmd("spmd.tp_checks:<name>", tp)` (tests/test_tp_layers.py), builds the
+same tensors on every rank from one seed, runs a layer on one process's worth of data the
+plain way and the tensor-parallel way, and returns the largest absolute differences (plus
+what was counted), so that the test can judge them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from multigpu.comm import CommCounter
 from multigpu.models import GPT_SIZES, MLP, apply_activation_checkpointing, build_model
 from multigpu.runtime import RankGrid
 from multigpu.strategies import tp_scratch as tp_
+from multigpu.strategies.state import sliced_grads
 
 
 def _diff(a, b) -> float:
@@ -142,7 +143,7 @@ def gpt_checks(model: str = "gpt-tiny", batch: int = 2, seq: int = 16, seed: int
         with CommCounter(tp) as backward:
             loss.backward()
         tp_.sync_sequence_parallel_grads(plain, group)
-        grads = tp_.full_grads(plain, group)
+        grads = sliced_grads(plain, group)
         out[variant] = {
             "tied": plain.lm_head.weight is plain.wte.weight,
             "loss": _diff(loss, ref_loss),
