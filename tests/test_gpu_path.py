@@ -231,7 +231,7 @@ def test_the_library_pipelines_log_through_the_same_clock():
 
 
 def test_a_timeline_claims_gpu_time_only_for_cuda_events():
-    from multigpu.plots import _timeline_clock
+    from multigpu.plots.model_parallel import _timeline_clock
 
     def run(device_type, *clocks):
         return {"provenance": {"device_type": device_type},

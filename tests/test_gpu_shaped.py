@@ -331,7 +331,7 @@ def record_cells(cells: list) -> list:
 
 
 SPY = """\
-import multigpu.plots as _plots, multigpu.records as _records
+import multigpu.plots.style as _style, multigpu.records as _records
 _captions, _loaded, _loads, _caption, _load = [], [], [], _records.caption, _records.load
 def _spy_caption(runs):
     _captions.append(_caption(runs))
@@ -343,7 +343,7 @@ def _spy_load(experiment, tag=None):
     # which cell read records of which devices
     _loads.append([get_ipython().execution_count, sorted({r["provenance"]["device_type"] for r in runs})])
     return runs
-_records.caption = _plots.caption = _spy_caption
+_records.caption = _style.caption = _spy_caption  # the figures caption through style
 _records.load = _spy_load
 """
 REPORT = ("import json; print(json.dumps({'captions': _captions, 'loaded': _loaded, 'loads': _loads, "

@@ -1,6 +1,7 @@
 """What a reader sees in a notebook besides the cells' own output: a training run drawn live as
-its steps arrive (plots.LiveRun, fed by the launcher from rank 0's progress lines), and under
-every figure its exact values (plots.figure_values, shown by a hook after each cell)."""
+its steps arrive (progress.LiveRun, fed by the launcher from rank 0's progress lines), and under
+every figure its exact values (plots.figure_values, shown by a hook after each cell that a chapter
+installs with plots.show_values_in_notebooks())."""
 
 from __future__ import annotations
 
@@ -77,12 +78,13 @@ def test_a_steps_peak_is_the_machines_reading_reset_per_step():
 
 
 NOTEBOOK = """
-from multigpu import plots
+from multigpu import plots, progress
 from multigpu.config import RunConfig
 from multigpu.launch import launch
 
-calls, update = [], plots.LiveRun.update
-plots.LiveRun.update = lambda self, *a: (calls.append(a), update(self, *a))[1]
+plots.show_values_in_notebooks()  # as a chapter's first cell does
+calls, update = [], progress.LiveRun.update
+progress.LiveRun.update = lambda self, *a: (calls.append(a), update(self, *a))[1]
 record = launch(RunConfig(strategy="ddp", world_size=2, steps=3, model="gpt-tiny"), progress=True)
 print("CALLS", json.dumps(calls), "RECORD", json.dumps([record["loss"], record["step_times_s_by_rank"][0]]))
 %%

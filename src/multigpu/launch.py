@@ -29,7 +29,7 @@ from collections import deque
 from pathlib import Path
 
 from multigpu.config import ConfigError, RunConfig
-from multigpu.train import PROGRESS_MARK
+from multigpu.progress import PROGRESS_MARK, progress_view
 
 _SRC = str(Path(__file__).resolve().parents[1])
 _announced: set[str] = set()
@@ -344,7 +344,7 @@ def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], thre
     if visible_gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible_gpus
 
-    view = _progress_view(bar) if _show_progress(progress) else None
+    view = progress_view(bar) if _show_progress(progress) else None
     tail: deque[str] = deque(maxlen=200)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -380,52 +380,6 @@ def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], thre
     finally:
         if view is not None:
             view.close()
-
-
-class _Bar:
-    """Progress as a bar (tqdm: a terminal, or a notebook's widget) with the loss beside it."""
-
-    def __init__(self, bar: tuple[int, str]):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=bar[0], desc=bar[1], unit="step", leave=False)
-
-    def update(self, done: str, total: str | None = None, loss: str | None = None, *_more: str) -> None:
-        self.bar.n = int(done)
-        self.bar.set_postfix(loss=float(loss) if loss is not None else None, refresh=True)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-class _Live:
-    """A training run in a notebook that draws inline: plots.LiveRun, fed by rank 0's lines."""
-
-    def __init__(self, bar: tuple[int, str]):
-        from multigpu.plots import LiveRun
-
-        self.figure = LiveRun(*bar)
-
-    def update(self, done: str, total: str, loss: str, step_s: str = "nan", peak: str = "-1", *_more: str) -> None:
-        self.figure.update(int(done), float(loss), float(step_s), float(peak))
-
-    def close(self) -> None:
-        self.figure.close()
-
-
-def _progress_view(bar: tuple[int, str]):
-    """A live figure for training steps in a notebook that draws figures in the cell; a bar
-    otherwise (a terminal, or a run without steps: spmd's functions)."""
-    return _Live(bar) if bar[0] > 0 and _draws_inline() else _Bar(bar)
-
-
-def _draws_inline() -> bool:
-    """A notebook kernel whose figures appear in the cell (matplotlib's inline backend)."""
-    if "ipykernel" not in sys.modules:
-        return False
-    import matplotlib
-
-    return "inline" in matplotlib.get_backend()
 
 
 def _stop(proc: subprocess.Popen) -> None:
