@@ -36,7 +36,7 @@ from multigpu.plots.sharding import (
     zero_stages,
     zero_timeline,
 )
-from multigpu.plots.style import COLORS, PALETTE, STRATEGY_COLORS, style
+from multigpu.plots.style import COLORS, PALETTE, STRATEGY_COLORS  # not style(), which would hide the module
 from multigpu.plots.values import figure_values, figure_values_html, show_values_in_notebooks
 
 __all__ = ["COLORS", "DP_PHASES", "PALETTE", "STRATEGY_COLORS", "animation_html", "beside", "bubble_vs_formula",
@@ -44,4 +44,4 @@ __all__ = ["COLORS", "DP_PHASES", "PALETTE", "STRATEGY_COLORS", "animation_html"
            "dp_memory", "dp_phases", "dp_threads", "estimate_bars", "figure_values", "figure_values_html",
            "loss_curves", "max_batch", "memory_growth", "memory_stacked", "model_states_vs_formula",
            "pipeline_timeline", "predicted_vs_measured", "rank_grid", "scaling", "show_values_in_notebooks",
-           "staleness", "style", "tp_speedup_by_width", "zero_stages", "zero_timeline"]
+           "staleness", "tp_speedup_by_width", "zero_stages", "zero_timeline"]
