@@ -287,8 +287,8 @@ def test_estimate_agrees_with_the_cuda_allocator(strategy):
     world = 1 if strategy == "single" else 2
     with recorded(f"estimate vs CUDA allocator: {strategy}", world_size=world, device=DEVICE) as row:
         _needs(world, f"the estimate for {strategy}")
-        from multigpu.accuracy import setup_of
-        from multigpu.estimate import estimate
+        from multigpu.estimator.accuracy import setup_of
+        from multigpu.estimator.peak import estimate
 
         record = launch(RunConfig(strategy=strategy, world_size=world, model="gpt-small", seq_len=128,
                                   global_batch_size=8, steps=3, optimizer="adamw", device=DEVICE), progress=False)

@@ -1,4 +1,5 @@
-"""The advisor (multigpu.advise) and the step-time model under it (multigpu.hardware).
+"""The advisor (multigpu.estimator.advise) and the step-time model under it
+(multigpu.estimator.step_time).
 
 First the step model against its formulas: FLOPs per token, the ring rule's bytes for each
 strategy's collectives, tensor parallelism's all-reduces per block, the pipeline's bubble.
@@ -12,11 +13,13 @@ from dataclasses import replace
 
 import pytest
 
-from multigpu.advise import advise
 from multigpu.config import ConfigError, RunConfig
-from multigpu.estimate import PIPELINES, Setup, degrees, estimate, gpt_parts
-from multigpu.hardware import ETH_100G, H100_SXM, MACHINES, NVLINK4, Link, Machine, group_link, step_time
-from multigpu.trace import model_shape
+from multigpu.estimator.advise import advise
+from multigpu.estimator.machines import ETH_100G, H100_SXM, MACHINES, NVLINK4, Link, Machine
+from multigpu.estimator.model_trace import gpt_parts, model_shape
+from multigpu.estimator.peak import estimate
+from multigpu.estimator.question import PIPELINES, Setup
+from multigpu.estimator.step_time import group_link, step_time
 from test_cli import run_cli
 
 GIB = 2**30
@@ -104,8 +107,8 @@ def test_without_overlap_the_model_predicts_the_steps_recorded_here():
     rank repeats the work TP does not cut (the LayerNorms, the embeddings, the optimizer's
     update of the parameters it keeps whole)."""
     from multigpu import records
-    from multigpu.accuracy import setup_of
-    from multigpu.hardware import recorded_machine
+    from multigpu.estimator.accuracy import setup_of
+    from multigpu.estimator.step_time import recorded_machine
 
     here = recorded_machine(2)
     runs = [r for name in ("sharded_memory_comm", "tp_scaling", "pp_schedules") for r in records.load(name)
@@ -270,10 +273,10 @@ def test_advise_cli_explains_bad_input():
 
 
 def test_degrees_follow_the_package_grid():
-    assert degrees(Setup("gpt-small", "fsdp", 8, tp=2)) == {"dp": 4, "pp": 1, "tp": 2}
-    assert degrees(Setup("gpt-small", "tp", 4)) == {"dp": 1, "pp": 1, "tp": 4}
-    assert degrees(Setup("gpt-small", "pp-1f1b", 8, tp=2)) == {"dp": 1, "pp": 4, "tp": 2}
-    assert degrees(Setup("gpt-small", "pp-1f1b", 8, tp=2, pp=2)) == {"dp": 2, "pp": 2, "tp": 2}
+    assert Setup("gpt-small", "fsdp", 8, tp=2).grid.as_dict() == {"dp": 4, "pp": 1, "tp": 2}
+    assert Setup("gpt-small", "tp", 4).grid.as_dict() == {"dp": 1, "pp": 1, "tp": 4}
+    assert Setup("gpt-small", "pp-1f1b", 8, tp=2).grid.as_dict() == {"dp": 1, "pp": 4, "tp": 2}
+    assert Setup("gpt-small", "pp-1f1b", 8, tp=2, pp=2).grid.as_dict() == {"dp": 2, "pp": 2, "tp": 2}
 
 
 def test_advise_cli_refuses_a_device_smaller_than_a_cuda_context():

@@ -1,5 +1,5 @@
-"""The machine's own peak against the estimator (multigpu.accuracy.machine_calibration): the fit
-against a line it must recover, the committed records, and a run it was not fitted to."""
+"""The machine's own peak against the estimator (multigpu.estimator.accuracy.machine_calibration):
+the fit against a line it must recover, the committed records, and a run it was not fitted to."""
 
 import copy
 import json
@@ -7,7 +7,8 @@ import json
 import pytest
 
 from multigpu import records
-from multigpu.accuracy import (
+from multigpu.config import RunConfig
+from multigpu.estimator.accuracy import (
     CALIBRATED_BY,
     MACHINE_TOLERANCE,
     machine_calibration,
@@ -15,8 +16,8 @@ from multigpu.accuracy import (
     machine_rows,
     setup_of,
 )
-from multigpu.config import RunConfig
-from multigpu.estimate import Setup, estimate, predict_largest_batch, saved_activations
+from multigpu.estimator.peak import estimate, predict_largest_batch, saved_activations
+from multigpu.estimator.question import Setup
 
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""The estimator (multigpu.estimate) against references: parameter counts of the built
+"""The estimator (multigpu.estimator) against references: parameter counts of the built
 models, and activations traced on fake tensors against activations measured on real ones."""
 
 import json
@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from multigpu.accuracy import TOTAL_TOLERANCE, setup_of
 from multigpu.config import OPTIMIZERS, ConfigError, RunConfig, parse_bytes
+from multigpu.estimator.accuracy import TOTAL_TOLERANCE, setup_of
+from multigpu.estimator.model_trace import activation_cost, model_shape
 from multigpu.memory import PeakMemoryTracker
 from multigpu.models import (
     GPT_SIZES,
@@ -21,7 +22,6 @@ from multigpu.models import (
     vocab_size,
 )
 from multigpu.strategies import build_optimizer
-from multigpu.trace import activation_cost, model_shape
 
 pytestmark = pytest.mark.usefixtures("committed_records")  # the committed records only (conftest)
 
@@ -82,7 +82,7 @@ def _saved_by_forward(name, batch, seq, attention, native_dropout=False) -> int:
     a bool per element), here on the CPU."""
     from unittest import mock
 
-    from multigpu.trace import _AliveStorages
+    from multigpu.estimator.model_trace import _AliveStorages
 
     model = build_model(name)
     model.set_attn_implementation(attention)
@@ -171,14 +171,9 @@ def test_unsupported_config_and_count_only_activations_are_explained(tmp_path):
 
 # -- the estimate of a step's peak ---------------------------------------------------------------
 
-from multigpu.estimate import (  # noqa: E402
-    Setup,
-    degrees,
-    estimate,
-    model_states,
-    predict_largest_batch,
-    rank_shares,
-)
+from multigpu.estimator.peak import estimate, model_states, predict_largest_batch  # noqa: E402
+from multigpu.estimator.question import Setup  # noqa: E402
+from multigpu.estimator.share import rank_shares  # noqa: E402
 from test_cli import only_json_line, run_cli  # noqa: E402
 from test_measurements import ZERO_TABLE_1  # noqa: E402
 
@@ -220,7 +215,7 @@ def test_a_bare_number_is_bytes_and_zero_only_where_allowed():
 def test_a_named_gpu_is_its_memory_less_the_cuda_context():
     """A named GPU: its memory, less the CUDA context (500 MiB unless --cuda-context says),
     cuBLAS's workspaces and the allocator's rounding; a bare --gpu-memory is all usable."""
-    from multigpu.estimate import allocator_rounding_bytes, cublas_workspace_bytes
+    from multigpu.estimator.question import allocator_rounding_bytes, cublas_workspace_bytes
 
     def other(*args, batch=("--batch-size", "8")):
         result = run_cli("estimate", "--model", "gpt-small", "--seq-len", "128", *batch, "--json", *args)
@@ -273,7 +268,7 @@ def _recorded_runs():
 
 
 def test_estimated_peak_agrees_with_every_recorded_run():
-    from multigpu.accuracy import against_records
+    from multigpu.estimator.accuracy import against_records
 
     rows = against_records(_recorded_runs())
     assert {r["strategy"] for r in rows} >= {"single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp"}
@@ -300,7 +295,7 @@ HELD_OUT = [
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("changes", HELD_OUT, ids=lambda c: f"{c['model']}-{c['strategy']}-{c['world_size']}")
 def test_estimated_peak_agrees_with_fresh_runs_it_was_not_fitted_to(changes):
-    from multigpu.accuracy import against_records
+    from multigpu.estimator.accuracy import against_records
     from multigpu.launch import launch
 
     record = launch(RunConfig(steps=3, dataset="dummy", **changes), progress=False)
@@ -311,7 +306,7 @@ def test_estimated_peak_agrees_with_fresh_runs_it_was_not_fitted_to(changes):
 def test_estimated_categories_agree_with_the_recorded_runs():
     """Each category within 10% of itself or 5% of the peak (a few MiB move between categories
     with the allocator's timing)."""
-    from multigpu.accuracy import against_records, categories_off
+    from multigpu.estimator.accuracy import against_records, categories_off
 
     rows = against_records(_recorded_runs())
     assert len(rows) >= 40
@@ -392,7 +387,7 @@ def test_model_states_per_rank_are_the_recorded_ones_in_the_compositions():
     runs = [(r, s) for r, s in _runs_of("compositions") if s.tp > 1 or s.pp > 1]
     assert {r["composition"] for r, _ in runs} >= {"FSDP x TP (2D)", "PP x TP", "PP x FSDP", "PP x FSDP x TP (3D)"}
     for record, setup in runs:
-        d = degrees(setup)
+        d = setup.grid.as_dict()
         shares = {share.pipeline_rank or 0: share for share in rank_shares(setup)}
         for rank, measured in enumerate(record["model_state_bytes_by_rank"]):
             stage = RankGrid({"pp": d["pp"], "dp": d["dp"], "tp": d["tp"]}, rank).coord("pp")
@@ -405,7 +400,7 @@ def test_saved_activations_per_micro_batch_are_the_recorded_ones_under_tp_and_pp
     keeps the hidden states it received, which the tracker does not see)."""
     checked = 0
     for record, setup in _runs_of("tp_scaling", "pp_memory", "pp_schedules"):
-        b = record["config"]["global_batch_size"] // (degrees(setup)["dp"] * setup.grad_accum_steps)
+        b = record["config"]["global_batch_size"] // (setup.grid.dp * setup.grad_accum_steps)
         for share in rank_shares(setup):
             measured = record["saved_activation_bytes_by_rank"][share.pipeline_rank or 0]
             if measured is None:  # the library's pipelines are not tracked
@@ -416,7 +411,7 @@ def test_saved_activations_per_micro_batch_are_the_recorded_ones_under_tp_and_pp
 
 
 def test_the_recorded_runs_include_tensor_and_pipeline_parallelism():
-    from multigpu.accuracy import against_records
+    from multigpu.estimator.accuracy import against_records
 
     rows = against_records(_recorded_runs())
     assert {"tp", "tp-scratch", "pp-gpipe-scratch", "pp-1f1b-scratch"} <= {r["strategy"] for r in rows}
@@ -472,7 +467,7 @@ def test_on_a_gpu_the_estimate_adds_the_context_the_cublas_workspaces_and_the_ro
     511 bytes per tensor copy from the allocator's 512-byte blocks."""
     from dataclasses import replace
 
-    from multigpu.estimate import allocator_rounding_bytes, cublas_workspace_bytes, model_shape
+    from multigpu.estimator.question import allocator_rounding_bytes, cublas_workspace_bytes
 
     assert cublas_workspace_bytes("NVIDIA H100 80GB HBM3") == 64 * 2**20
     assert cublas_workspace_bytes("NVIDIA A100-SXM4-80GB") == 2 * (8 * 2**20 + 128 * 2**10)
@@ -516,7 +511,8 @@ def test_the_optimizer_steps_temporary_is_what_torchs_adamw_allocates():
     parameter beside parameters, gradients and both moments; the estimator's step phase says
     the same. The CPU's default, a loop over tensors (foreach=False), holds two of the largest
     tensor's size."""
-    from multigpu.estimate import allocator_rounding_bytes, optimizer_step_temporary, rank_shares
+    from multigpu.estimator.peak import optimizer_step_temporary
+    from multigpu.estimator.question import allocator_rounding_bytes
 
     model = build_model("gpt-tiny", seed=0)
     on_gpu = Setup("gpt-tiny", "single", seq_len=16, on_cuda=True)

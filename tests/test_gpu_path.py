@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from multigpu import records
-from multigpu.accuracy import against_records, setup_of
 from multigpu.config import RunConfig
-from multigpu.estimate import cublas_workspace_bytes, estimate
+from multigpu.estimator.accuracy import against_records, setup_of
+from multigpu.estimator.peak import estimate
+from multigpu.estimator.question import cublas_workspace_bytes
 from multigpu.memory import CATEGORIES, ProcessPeaks
 from multigpu.models import GPT, GPT_SIZES
 from multigpu.strategies import pp, pp_scratch

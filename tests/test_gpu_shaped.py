@@ -241,7 +241,7 @@ def test_the_estimate_of_a_gpu_record_counts_its_gpus_cublas_workspaces(gpu_resu
     """The estimator's question for a GPU record (accuracy.setup_of, held against the allocator)
     adds the workspaces of that GPU: the 32 MiB branch on an H100, the 8.125 MiB one on an A100
     or a V100 (review F4, G10)."""
-    from multigpu.accuracy import setup_of
+    from multigpu.estimator.accuracy import setup_of
 
     folder, tag = gpu_results(server)
     setups = [setup_of(r) for path in (folder / tag).glob("*.jsonl") for r in records.read_records(path)
@@ -263,8 +263,8 @@ def test_the_estimators_record_readers_on_a_gpu_server(gpu_results, server, monk
     - the 2-process runs the step-time model is compared with come from the GPU where it has
       them, and the link it is fitted with stays a CPU's (no GPU experiment fits one)."""
     from multigpu import __main__ as cli
-    from multigpu.accuracy import CALIBRATED_BY, against_records, machine_calibration
-    from multigpu.hardware import recorded_machine
+    from multigpu.estimator.accuracy import CALIBRATED_BY, against_records, machine_calibration
+    from multigpu.estimator.step_time import recorded_machine
 
     folder, tag = gpu_results(server)
     monkeypatch.setattr(records, "RESULTS_DIR", folder)

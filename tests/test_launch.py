@@ -295,9 +295,9 @@ def test_a_run_that_cannot_fit_is_refused_with_the_estimators_numbers(monkeypatc
 
 def test_a_small_run_pays_no_estimate(monkeypatch):
     """The screen lets a run far below the free memory through without the estimator."""
-    from multigpu import estimate
+    from multigpu.estimator import peak
 
     launch_module = sys.modules["multigpu.launch"]
-    monkeypatch.setattr(estimate, "estimate", lambda *a, **k: pytest.fail("the estimator ran"))
+    monkeypatch.setattr(peak, "estimate", lambda *a, **k: pytest.fail("the estimator ran"))
     cfg = RunConfig(strategy="ddp", world_size=2, steps=2).validate()
     assert launch_module.memory_problem(cfg, "cpu", 2) is None

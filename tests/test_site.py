@@ -238,7 +238,7 @@ def calculator_page(browser):
 
 
 def test_the_calculator_grid_is_the_packages_current_one(calculator_page):
-    from multigpu.calculator import source_hash
+    from multigpu.estimator.calculator import source_hash
 
     made = calculator_page.evaluate("window.multigpuCalculator.grid.made_by")
     assert made["source"] == source_hash(), "the site's calculator grid is older than src/: run make book again"
@@ -250,9 +250,9 @@ def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path)
     setting the estimator refuses shows the estimator's own reason."""
     import random
 
-    from multigpu import calculator
     from multigpu.config import ConfigError
-    from multigpu.estimate import estimate, predict_largest_batch
+    from multigpu.estimator import calculator
+    from multigpu.estimator.peak import estimate, predict_largest_batch
 
     grid = calculator_page.evaluate("""() => { const g = window.multigpuCalculator.grid;
         return Object.fromEntries(Object.entries(g.entries).map(([k, e]) => [k, e.error || [e.dp, e.m]])); }""")
@@ -292,7 +292,8 @@ def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path)
 
 def test_the_calculator_responds_to_input(calculator_page):
     """A reader's change of model, strategy, batch and memory redraws the numbers."""
-    from multigpu.estimate import Setup, estimate
+    from multigpu.estimator.peak import estimate
+    from multigpu.estimator.question import Setup
 
     page = calculator_page
 

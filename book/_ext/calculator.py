@@ -1,4 +1,4 @@
-"""Writes the memory calculator's grid (multigpu.calculator) into the site's _static/ before
+"""Writes the memory calculator's grid (multigpu.estimator.calculator) into the site's _static/ before
 the pages are built, so that the chapter "Choosing a strategy" answers in the page itself.
 The grid is made again only when the package's source changed (about a minute on two cores).
 Sphinx copies static files only when some page is rebuilt, so a new grid marks the page that
@@ -23,7 +23,7 @@ def _first_line(path: Path) -> str | None:
 
 
 def _write_grid(app) -> None:
-    from multigpu import calculator
+    from multigpu.estimator import calculator
 
     target = _grid_path(app)
     before = _first_line(target)

@@ -14,8 +14,8 @@ import os
 import sys
 
 from multigpu.config import OPTIMIZERS, STRATEGIES, ConfigError, RunConfig
-from multigpu.estimate import ESTIMATED
-from multigpu.hardware import MACHINES
+from multigpu.estimator.machines import MACHINES
+from multigpu.strategy_table import ESTIMATED
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -135,9 +135,10 @@ def cmd_check(args) -> int:
 def cmd_estimate(args) -> int:
     import time
 
-    from multigpu.accuracy import CALIBRATED_BY, machine_calibration
-    from multigpu.estimate import Setup, cublas_workspace_bytes, estimate, predict_largest_batch
-    from multigpu.trace import model_shape
+    from multigpu.estimator.accuracy import CALIBRATED_BY, machine_calibration
+    from multigpu.estimator.model_trace import model_shape
+    from multigpu.estimator.peak import estimate, predict_largest_batch
+    from multigpu.estimator.question import Setup, cublas_workspace_bytes
 
     start = time.perf_counter()
     memory, context = _device_memory(args)
@@ -210,9 +211,9 @@ def _on_cuda(args) -> bool:
 
 
 def cmd_advise(args) -> int:
-    from multigpu.advise import advise
-    from multigpu.estimate import DEFAULT_CUDA_CONTEXT, Setup
-    from multigpu.hardware import describe
+    from multigpu.estimator.advise import advise
+    from multigpu.estimator.machines import describe
+    from multigpu.estimator.question import DEFAULT_CUDA_CONTEXT, Setup
 
     memory, context = _device_memory(args, smallest=SMALLEST_GPU)
     if args.machine is None and memory is None:
@@ -249,7 +250,7 @@ def _device_memory(args, smallest: int = 2**20) -> tuple[int | None, int]:
     --cuda-context: by default 500 MiB for a named GPU, nothing for a bare amount. A device
     of at most `smallest` bytes, or no more than its context, is an input error."""
     from multigpu.config import parse_bytes
-    from multigpu.estimate import DEFAULT_CUDA_CONTEXT, GPUS
+    from multigpu.estimator.question import DEFAULT_CUDA_CONTEXT, GPUS
 
     if args.gpu is not None and args.gpu not in GPUS:
         raise ConfigError(f"unknown --gpu {args.gpu!r}; choose one of: {', '.join(GPUS)} (or give --gpu-memory)")
@@ -347,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "one by one, as transformers ran T5 before SDPA)")
     est.add_argument("--uncalibrated", action="store_true",
                      help="fit the tensors alone, not the machine's peak calibrated on recorded runs "
-                     "(multigpu.accuracy.machine_calibration)")
+                     "(multigpu.estimator.accuracy.machine_calibration)")
     est.add_argument("--no-dropout", action="store_true",
                      help="the model without dropout (T5 presets have the released 0.1)")
     est.add_argument("--batch-size", type=int, default=None, help="global batch: all ranks together")

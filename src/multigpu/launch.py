@@ -241,8 +241,8 @@ def memory_problem(cfg: RunConfig, device: str, per_node: int, gpu: int = 0) -> 
         return None
     import torch
 
-    from multigpu import estimate as est
-    from multigpu.accuracy import setup_of
+    from multigpu.estimator import peak as est
+    from multigpu.estimator.accuracy import setup_of
     from multigpu.records import cpu_name
 
     name = torch.cuda.get_device_name(gpu) if device == "cuda" else cpu_name()

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from multigpu.estimate import PIPELINES, Estimate, Setup, cublas_workspace_bytes, degrees, estimate, saved_activations
+from multigpu.config import RunConfig
+from multigpu.estimator.model_trace import model_shape
+from multigpu.estimator.peak import Estimate, estimate, saved_activations
+from multigpu.estimator.question import PIPELINES, Setup, cublas_workspace_bytes
 from multigpu.memory import CATEGORIES
-from multigpu.trace import model_shape
-
-# a recorded strategy -> the estimator's (the from-scratch and library versions of one idea)
-_AS_ESTIMATED = {"single": "single", "dp": "dp", "ddp": "ddp", "ddp-scratch": "ddp", "zero1": "zero1",
-                 "zero2": "zero2", "zero3": "zero3", "fsdp": "fsdp",  # FSDP1's flat parameters: not modelled
-                 "tp": "tp", "tp-scratch": "tp", "pp-gpipe": "pp-gpipe", "pp-gpipe-scratch": "pp-gpipe",
-                 "pp-1f1b": "pp-1f1b", "pp-1f1b-scratch": "pp-1f1b", "pp-interleaved": "pp-interleaved"}
+from multigpu.strategy_table import STRATEGY_TABLE
 
 
 def measured_categories(record: dict, rank: int = 0) -> dict[str, int]:
@@ -50,32 +47,35 @@ def setup_of(record: dict, against: str = "allocator") -> Setup | None:
     MemTracker applies on CUDA too. On a CPU the two are the same question."""
     if against not in AGAINST:
         raise ValueError(f"against must be one of {AGAINST}, got {against!r}")
-    from multigpu.config import RunConfig
     from multigpu.models import default_seq_len
 
     c = record["config"]
     extra = c["extra"]
-    if c["strategy"] not in _AS_ESTIMATED or extra.get("wrap", "blocks") != "blocks" or extra.get("replicas"):
+    # the estimator's strategy for the recorded one (the strategy table's `estimated_as`: the
+    # from-scratch and library versions of one idea are estimated as one; None: not modelled)
+    row = STRATEGY_TABLE.get(c["strategy"])
+    strategy = row.estimated_as if row else None
+    if strategy is None or extra.get("wrap", "blocks") != "blocks" or extra.get("replicas"):
         return None
-    grid = RunConfig(strategy=c["strategy"], world_size=c["world_size"], tp=c.get("tp", 1), pp=c.get("pp", 1),
-                     dp=c.get("dp")).degrees
+    # the grid the run stated (a record written before records did: its config's, by the same rule)
+    grid = record.get("grid") or RunConfig.from_dict(c).grid.as_dict()
     if grid["tp"] > 1 and c["strategy"] == "ddp-scratch":
         return None
-    if _AS_ESTIMATED[c["strategy"]] in PIPELINES:  # fewer micro-batches than the library's schedule takes
+    if strategy in PIPELINES:  # fewer micro-batches than the library's schedule takes
         from multigpu.strategies.pp import microbatch_problem
 
-        if microbatch_problem(_AS_ESTIMATED[c["strategy"]], c["grad_accum_steps"], grid["pp"]):
+        if microbatch_problem(strategy, c["grad_accum_steps"], grid["pp"]):
             return None
     prov = record["provenance"]
     on_cuda, workspaces = prov["device_type"] == "cuda", 0
     if on_cuda and against == "allocator":
         # the workspace size torch reported on the run's GPU, or else its compute capability, where
         # the record kept them (records.provenance, on CUDA); else (records written before, a run
-        # about to start) estimate.py's rule by the GPU's name
+        # about to start) cublas_workspace_bytes's rule by the GPU's name
         capability = prov.get("compute_capability")
         workspaces = cublas_workspace_bytes(prov["device_names"][0], tuple(capability) if capability else None,
                                             prov.get("cublas_workspace_size_bytes"))
-    return Setup(model=c["model"], strategy=_AS_ESTIMATED[c["strategy"]], world_size=c["world_size"],
+    return Setup(model=c["model"], strategy=strategy, world_size=c["world_size"],
                  seq_len=c["seq_len"] or default_seq_len(c["model"]), dtype=c["dtype"], optimizer=c["optimizer"],
                  activation_checkpointing=c["activation_checkpointing"], grad_accum_steps=c["grad_accum_steps"],
                  reshard_after_forward=extra.get("reshard_after_forward", True),
@@ -121,7 +121,7 @@ def against_records(records: list[dict]) -> list[dict]:
             continue
         found = estimate(setup, r["config"]["global_batch_size"])
         est, meas = found.per_rank_bytes, measured_categories(r, found.pipeline_rank or 0)
-        d = degrees(setup)
+        d = setup.grid.as_dict()
         grid = ", ".join(f"{k} {d[k]}" for k in ("tp", "pp") if d[k] > 1)
         variant = ", ".join(v for v in ("no reshard" if not setup.reshard_after_forward else "",
                                         "SP" if setup.sequence_parallel else "",

@@ -8,8 +8,8 @@
    fsdp with tp: 2D) within a node, and pipelines (pp-1f1b, pp-interleaved) with tensor- and
    data-parallel ranks inside each stage (PP x TP, PP x FSDP, 3D). For each grid, every
    split of the global batch into micro-batches is tried; a plan fits if the estimator's
-   peak per GPU (`multigpu.estimate`, the most loaded pipeline rank) is within the GPU's
-   memory, and is timed by the step model of `multigpu.hardware`.
+   peak per GPU (`multigpu.estimator.peak`, the most loaded pipeline rank) is within the GPU's
+   memory, and is timed by the step model of `multigpu.estimator.step_time`.
 3. `advise` recommends the fastest plan that fits, says which case of the guide applies and
    what the guide recommends there, and whether the numbers agree.
 
@@ -23,10 +23,13 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from multigpu.config import ConfigError
-from multigpu.estimate import PIPELINES, Estimate, Setup, degrees, estimate, gpt_parts
-from multigpu.hardware import MACHINES, Machine, StepTime, describe, generic_machine, step_time
-from multigpu.trace import model_shape
+from multigpu.errors import ConfigError
+from multigpu.estimator.machines import MACHINES, Machine, describe, generic_machine
+from multigpu.estimator.model_trace import gpt_parts, model_shape
+from multigpu.estimator.peak import Estimate, estimate
+from multigpu.estimator.question import PIPELINES, Setup
+from multigpu.estimator.step_time import StepTime, step_time
+from multigpu.strategy_table import STRATEGY_TABLE
 
 # case -> (the guide's words for it, the families it names, first typically faster)
 GUIDE = {
@@ -54,7 +57,9 @@ GUIDE_SOURCE = "Hugging Face, Efficient Training on Multiple GPUs, \"Which Strat
 GUIDE_NAMES = {"DDP": ("DDP",), "ZeRO": ("ZeRO",), "TP": ("TP", "ZeRO+TP"),
                "PP": ("PP", "PP+DP", "PP+TP", "PP+TP+DP"), "PP+TP+DP": ("PP+TP+DP",)}
 
-DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")  # fsdp is the package's production ZeRO-3
+# the data-parallel plans weighed (the strategy table's `advised`: ddp, zero1, zero2 and fsdp, the
+# package's production ZeRO-3)
+ADVISED = tuple(name for name, s in STRATEGY_TABLE.items() if s.advised)
 # what a plan changes in the model and sends, least first: the order among plans equally fast
 SIMPLEST_FIRST = ("DDP", "ZeRO", "TP", "ZeRO+TP", "PP", "PP+DP", "PP+TP", "PP+TP+DP")
 
@@ -76,7 +81,7 @@ class Plan:
 
     @property
     def degrees(self) -> dict[str, int]:
-        return degrees(self.setup)
+        return self.setup.grid.as_dict()
 
     @property
     def family(self) -> str:
@@ -179,11 +184,11 @@ def advise(base: Setup, gpus: int | None = None, memory_bytes: int | None = None
            interconnect: str = "fast", machine: Machine | str | None = None,
            global_batch: int | None = None, overlap: bool = True) -> Advice:
     """Recommend how to train `base.model` (its dtype, optimizer, lengths, checkpointing) on
-    `machine` (a `hardware.MACHINES` name or a Machine), or on `gpus` GPUs of `memory_bytes`
+    `machine` (a `machines.MACHINES` name or a Machine), or on `gpus` GPUs of `memory_bytes`
     in `nodes` nodes whose links between nodes are `interconnect` ("fast" or "slow"), with
     `global_batch` samples per step (default `default_global_batch`). `memory_bytes` with a
     machine: use that much of each GPU. overlap=False: time the steps as if no collective hid
-    behind compute (`hardware.step_time`)."""
+    behind compute (`step_time.step_time`)."""
     machine = _machine(machine, gpus, memory_bytes, nodes, interconnect)
     memory = memory_bytes or machine.gpu.memory_bytes
     if memory <= 0:
@@ -279,7 +284,7 @@ def plans(base: Setup, machine: Machine, memory: int, global_batch: int, overlap
     that needs the least memory)."""
     found = []
     for setup in grids(base, machine):
-        dp = degrees(setup)["dp"]
+        dp = setup.grid.dp
         if global_batch % dp:
             continue  # the batch does not split over the data-parallel ranks
         tried = []
@@ -308,7 +313,7 @@ def grids(base: Setup, machine: Machine) -> list[Setup]:
     plain = replace(base, world_size=n, tp=1, pp=1, grad_accum_steps=1)
     if n == 1:
         return [replace(plain, strategy="single")]
-    out = [replace(plain, strategy=s) for s in DATA_PARALLEL]
+    out = [replace(plain, strategy=s) for s in ADVISED]
     if base.model.startswith("params:") or family(base.model) != "gpt":
         return out  # tensor and pipeline parallelism cut the package's GPT only
     parts = gpt_parts(base.model)
@@ -332,7 +337,7 @@ def _microbatch_problem(setup: Setup) -> str | None:
         return None
     from multigpu.strategies.pp import microbatch_problem
 
-    return microbatch_problem(setup.strategy, setup.grad_accum_steps, degrees(setup)["pp"])
+    return microbatch_problem(setup.strategy, setup.grad_accum_steps, setup.grid.pp)
 
 
 def _divisors(n: int) -> list[int]:

@@ -2,16 +2,16 @@
 
 A reader of the HTML has no kernel, so the page cannot call `estimate`. It does not need to:
 for one setup (model, strategy, GPUs, precision, checkpointing) every phase of a step that
-`estimate._phases` weighs holds, per category, an amount that is a straight line in the
+`peak._phases` weighs holds, per category, an amount that is a straight line in the
 per-rank batch b, `const + slope * b` (parameters, gradients and optimizer state are
 constant; saved activations and the loss's tensors grow with b). So the grid stores, for
 every setup and every pipeline rank, each phase's lines, checked against the estimator at
 other batches; the page (book/_static/calculator.js) evaluates them at the reader's batch
 exactly as `estimate` picks its peak (the largest phase of the largest rank, each category
-truncated to whole bytes) and searches the largest batch as `estimate.predict_largest_batch` does.
+truncated to whole bytes) and searches the largest batch as `peak.predict_largest_batch` does.
 
 The optimizer changes one category only (`model_states`), so it is stored apart, once per rank,
-with what its step allocates beside the states (`estimate.optimizer_step_temporary`): Adam's
+with what its step allocates beside the states (`peak.optimizer_step_temporary`): Adam's
 temporaries make an "optimizer step" phase, which SGD's step, updating in place, does not have.
 
 The grid is written at build time by book/_ext/calculator.py into the site's _static/;
@@ -30,29 +30,30 @@ from pathlib import Path
 import torch
 
 import multigpu
-from multigpu.config import ConfigError
-from multigpu.estimate import (
-    CATEGORIES,
-    GPUS,
-    PIPELINES,
+from multigpu.errors import ConfigError
+from multigpu.estimator.model_trace import model_shape
+from multigpu.estimator.peak import (
     STEP_PHASE,
-    Setup,
     _cuda_overheads,
     _phases,
-    degrees,
     estimate,
     model_states,
     optimizer_step_temporary,
-    rank_shares,
 )
+from multigpu.estimator.question import GPUS, PIPELINES, Setup
+from multigpu.estimator.share import rank_shares
+from multigpu.memory import CATEGORIES
 from multigpu.records import CHECKOUT, _git_commit
-from multigpu.trace import model_shape
+from multigpu.strategy_table import ESTIMATED
 
 SEQ_LEN = 256
 # GPT-3's widths and depths (Brown et al. 2020, table 2.1) beside the presets, as config files
 GPT3_SHAPES = {"gpt-1.3b": (2048, 24, 32), "gpt-6.7b": (4096, 32, 32), "gpt-13b": (5120, 40, 40)}
 PRESET_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "t5-large", "t5-3b")
-STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "pp-gpipe", "pp-1f1b")
+# every strategy the estimator models as itself (the strategy table's ESTIMATED) but
+# pp-interleaved, which the page has left out since it was made: its choices of schedule are
+# GPipe and 1F1B, and each strategy adds a tenth to the grid and to its minute of building
+STRATEGIES = tuple(s for s in ESTIMATED if s != "pp-interleaved")
 GPU_COUNTS = (1, 2, 4, 8, 16)
 TP_DEGREES = (1, 2, 4, 8)  # with fsdp (2D) and the pipelines; strategy tp takes every GPU
 DTYPES = ("fp32", "bf16-mixed", "bf16-master")
@@ -116,7 +117,7 @@ def entry(setup: Setup, label: str) -> dict:
         shares = rank_shares(setup)
     except ConfigError as refused:
         return {"error": str(refused).replace(setup.model, label)}
-    d = degrees(setup)
+    d = setup.grid.as_dict()
     ranks, optimizer, step = [], {name: [] for name in OPTIMIZERS}, {name: [] for name in OPTIMIZERS}
     for share in shares:
         states = model_states(setup, share)

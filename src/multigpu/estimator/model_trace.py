@@ -1,14 +1,15 @@
 """What a model is and what its forward keeps, counted without running it.
 
 - `model_shape`: parameter counts of a model built on the meta device (no memory, no
-  weights): a preset, a Hugging Face config.json (t5 or gpt2), or "params:<count>".
+  weights): a preset, a Hugging Face config.json (t5 or gpt2), or "params:<count>";
+  `gpt_parts`: the package's GPT counted as tensor and pipeline parallelism divide it.
 - `activation_cost`: the model runs one forward pass on fake tensors (`FakeTensorMode`:
   shapes and dtypes, no data) for one sample and for two, and the bytes still alive when
   forward returns (what it saved for backward) give a fixed part and a per-sample part.
   Saved activations grow linearly with the batch (the one-device chapter measures it), so
   every batch size after that is arithmetic.
 
-multigpu.estimate puts these together into a step's peak per rank.
+multigpu.estimator.share and .peak put these together into a step's peak per rank.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from multigpu.config import ConfigError
+from multigpu.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,52 @@ def model_shape(model: str) -> ModelShape:
                       largest_tensor=max(p.numel() for p in params), vocab_size=vocab, family=family,
                       tensors=len(params))
 
+
+@dataclass(frozen=True)
+class GPTParts:
+    """A GPT's parameters as tensor and pipeline parallelism divide them: tensor parallelism
+    cuts every weight matrix and the vocabulary (strategies/tp_plan.py's plan) and leaves the
+    LayerNorms, the row-parallel biases and the position table whole; a pipeline stage owns
+    a run of blocks (strategies/pp_split.py), the first also the embeddings, the last also
+    the final norm and the head (a copy of the embedding's weight when they are tied)."""
+
+    layers: int
+    d_model: int
+    d_ff: int
+    heads: int
+    block_cut: int  # per block: q, k, v, the two projections and the MLP's matrices, the column-parallel biases
+    block_whole: int  # per block: LayerNorms and row-parallel biases
+    largest_matrix: int  # elements of a block's largest weight (the MLP's)
+    embedding: int  # the token embedding, cut by vocabulary
+    positions: int  # the position table (the library cuts it by position under sequence parallelism)
+    final_norm: int
+    head: int  # the head's weight, cut by vocabulary
+    tied: bool  # the head is the token embedding's weight
+
+
+@lru_cache(maxsize=32)
+def gpt_parts(model: str) -> GPTParts:
+    """The parts of the package's GPT named by `model`, counted on the meta device."""
+    from multigpu.models import GPT
+
+    with torch.device("meta"):
+        built, _ = _build(model)
+    if not isinstance(built, GPT):
+        raise ConfigError(f"{model} is not the package's GPT: tensor and pipeline parallelism cut that model only")
+    cfg, block = built.cfg, built.blocks["0"]
+
+    def whole(name: str) -> bool:  # what every tensor-parallel rank keeps whole
+        return name.startswith("ln_") or name.endswith("proj.bias")
+
+    named = dict(block.named_parameters())
+    return GPTParts(
+        layers=cfg.n_layer, d_model=cfg.d_model, d_ff=cfg.d_ff, heads=cfg.n_head,
+        block_cut=sum(p.numel() for n, p in named.items() if not whole(n)),
+        block_whole=sum(p.numel() for n, p in named.items() if whole(n)),
+        largest_matrix=max(p.numel() for p in named.values()),
+        embedding=built.wte.weight.numel(), positions=built.wpe.weight.numel(),
+        final_norm=sum(p.numel() for p in built.ln_f.parameters()), head=built.lm_head.weight.numel(),
+        tied=cfg.tie_embeddings)
 
 ATTENTION = ("sdpa", "eager")  # how attention is computed: one fused call, or its operations one by one
 DEVICE_KINDS = ("cpu", "cuda")

@@ -1,0 +1,143 @@
+"""Machines as numbers: a GPU (its memory and peak dense FLOP/s, and the share of that peak a
+training step achieves) times GPUs per node times nodes, with two links: between the GPUs of
+a node, and between nodes. Every number names its source; one that is not from a datasheet
+or a record is called an assumption, here and in what `describe` prints.
+
+A link is Hockney's latency-bandwidth model, as in `multigpu.comm`: a collective that makes
+each rank send S bytes takes alpha + S / bandwidth, with S what the ring algorithm sends
+(`comm.sent_bytes`, e.g. 2(N-1)/N of the payload for an all-reduce). Bandwidths are the
+datasheets' per direction, an upper bound on what collectives achieve.
+
+`multigpu.estimator.step_time` times a training step on them; its `recorded_machine` is the
+machine that made the records, measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from multigpu.comm import sent_bytes
+from multigpu.errors import ConfigError
+from multigpu.estimator.question import GPUS
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link, as the alpha-beta model sees it."""
+
+    name: str
+    bandwidth_bytes_per_s: float  # one direction: per GPU inside a node, per node between nodes
+    alpha_s: float  # the fixed cost of one collective call
+    source: str
+    alpha_source: str = ("assumption: a few microseconds of link latency plus a collective's launch and "
+                         "synchronisation, taken as 10 us per call inside a node")
+    fits: tuple = ()  # measured: (collective, alpha_s, seconds per byte sent), one per collective timed
+
+    def seconds(self, kind: str, payload_bytes: float, ranks: int, share: float = 1.0, calls: int = 1) -> float:
+        """`calls` calls of collective `kind` on `ranks` ranks that hand it `payload_bytes` in
+        all (an all-gather: the shards), when this flow gets `share` of the link's bandwidth.
+        A measured link times each collective by its own fit (a send as an all-gather, which
+        sends its payload once)."""
+        if ranks == 1 or calls == 0:
+            return 0.0
+        fitted = {k: (a, b) for k, a, b in self.fits}
+        alpha, beta = fitted.get("all_gather" if kind == "send" else kind,
+                                 (self.alpha_s, 1 / self.bandwidth_bytes_per_s))
+        return calls * alpha + sent_bytes(kind, payload_bytes, ranks) * beta / share
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    bf16_flops: float  # peak dense FLOP/s, bf16 tensor cores
+    fp32_flops: float  # peak FP32 FLOP/s (PyTorch does not use TF32 for matmuls by default)
+    source: str
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    gpu: GPU
+    gpus_per_node: int
+    nodes: int
+    intra: Link  # between the GPUs of a node
+    inter: Link | None  # between nodes
+    fast_between_nodes: bool = True  # the guide's "fast inter-node connectivity"
+    mfu: float = 0.40  # achieved share of the peak FLOP/s
+    mfu_source: str = (
+        "assumption: 40% of the peak, the middle of reported training runs (picotron: 38% MFU for "
+        "LLaMA-2-7B on 64 H100 and about 50% for SmolLM-1.7B on 8; torchtitan: 33-39% for Llama 3.1 8B "
+        "with FSDP on 8 H100; Llama 3 405B: 38-43%, Dubey et al. 2024), taken as the rate of the compute "
+        "alone, the same for every strategy and micro-batch")
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Achieved FLOP/s of one GPU: bf16 tensor cores for the mixed precisions, else FP32."""
+        return self.mfu * (self.gpu.fp32_flops if dtype == "fp32" else self.gpu.bf16_flops)
+
+
+# -- the catalogue ----------------------------------------------------------------------------
+
+H100_SXM = GPU("H100 SXM5 80GB", GPUS["h100-80gb"], 989e12, 67e12,
+               "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity (989 dense), FP32 "
+               "67 TFLOPS, 80 GB")
+A100_SXM = GPU("A100 SXM4 80GB", GPUS["a100-80gb"], 312e12, 19.5e12,
+               "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, 80 GB")
+A100_PCIE = GPU("A100 PCIe 80GB", GPUS["a100-80gb"], 312e12, 19.5e12,
+                "NVIDIA A100 Tensor Core GPU datasheet (PCIe): BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, 80 GB")
+
+NVLINK4 = Link("NVLink 4 through NVSwitch", 450e9, 10e-6,
+               "NVIDIA H100 datasheet: 900 GB/s of NVLink per GPU, both directions together")
+NVLINK3 = Link("NVLink 3 through NVSwitch", 300e9, 10e-6,
+               "NVIDIA A100 datasheet: 600 GB/s of NVLink per GPU, both directions together")
+PCIE4 = Link("PCIe Gen4 x16", 31.5e9, 10e-6,
+             "PCI-SIG PCIe 4.0: 16 GT/s per lane x 16 lanes, 128b/130b encoding = 31.5 GB/s each way")
+_NETWORK_ALPHA = "assumption: 20 us per collective call between nodes (a network hop is slower than NVLink)"
+IB_NDR_X8 = Link("8 x 400 Gb/s InfiniBand NDR per node", 8 * 50e9, 20e-6,
+                 "NVIDIA DGX H100: eight ConnectX-7 400 Gb/s ports for the compute network; 400 Gb/s = 50 GB/s",
+                 _NETWORK_ALPHA)
+ETH_100G = Link("one 100 Gb/s Ethernet port per node", 12.5e9, 20e-6,
+                "IEEE 802.3 100 Gb/s Ethernet: 12.5 GB/s; one port per node is an assumption", _NETWORK_ALPHA)
+
+MACHINES = {
+    "8xh100-nvlink": Machine("8 x H100 SXM, NVLink 4", H100_SXM, 8, 1, NVLINK4, IB_NDR_X8),
+    # the machine of the sources' chart: 8 A100 with 600 GB/s NVLink
+    "8xa100-nvlink": Machine("8 x A100 SXM 80GB, NVLink 3", A100_SXM, 8, 1, NVLINK3, IB_NDR_X8),
+    "8xa100-pcie": Machine("8 x A100 PCIe 80GB, PCIe Gen4, no NVLink", A100_PCIE, 8, 1, PCIE4, ETH_100G,
+                           fast_between_nodes=False),
+    "2x8xh100-ib": Machine("2 nodes x 8 H100 SXM, NVLink 4 inside, 8 x 400 Gb/s InfiniBand between", H100_SXM, 8,
+                           2, NVLINK4, IB_NDR_X8),
+    "2x8xh100-100g": Machine("2 nodes x 8 H100 SXM, NVLink 4 inside, 100 Gb/s Ethernet between", H100_SXM, 8, 2,
+                             NVLINK4, ETH_100G, fast_between_nodes=False),
+}
+
+
+def generic_machine(gpus: int, nodes: int, memory_bytes: int, fast: bool) -> Machine:
+    """A machine given only by counts and memory (the CLI's --gpus --nodes --gpu-memory
+    --interconnect): H100 SXM compute and NVLink 4 inside a node, and between nodes 8 x 400 Gb/s
+    InfiniBand (fast) or one 100 Gb/s Ethernet port (slow). An assumption, said by its name."""
+    if gpus < 1 or nodes < 1 or gpus % nodes:
+        raise ConfigError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
+    gpu = GPU(f"a GPU of {memory_bytes / 2**30:.0f} GiB, computing as an H100 SXM (assumption)", memory_bytes,
+              H100_SXM.bf16_flops, H100_SXM.fp32_flops, H100_SXM.source)
+    return Machine(f"{gpus} GPUs in {nodes} node(s), NVLink 4 inside, {'fast' if fast else 'slow'} links between "
+                   "(assumed)", gpu, gpus // nodes, nodes, NVLINK4, IB_NDR_X8 if fast else ETH_100G,
+                   fast_between_nodes=fast)
+
+
+def describe(machine: Machine) -> list[str]:
+    """The machine's numbers, each with its source (or 'assumption')."""
+    lines = [f"{machine.name}: {machine.nodes} node(s) of {machine.gpus_per_node} {machine.gpu.name} "
+             f"({machine.gpu.source})",
+             f"compute: {machine.mfu:.0%} of the peak ({machine.mfu_source})",
+             f"inside a node: {machine.intra.name}, {machine.intra.bandwidth_bytes_per_s / 1e9:.1f} GB/s each way "
+             f"per GPU ({machine.intra.source}); {machine.intra.alpha_source}"]
+    if machine.nodes > 1 and machine.inter is not None:
+        lines.append(f"between nodes: {machine.inter.name}, {machine.inter.bandwidth_bytes_per_s / 1e9:.1f} GB/s "
+                     f"each way per node ({machine.inter.source}); {machine.inter.alpha_source}")
+    return lines
+

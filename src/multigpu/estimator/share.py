@@ -1,0 +1,166 @@
+"""What one rank holds of the model before any data-parallel sharding, and what one
+micro-batch leaves on it for backward (`rank_shares`).
+
+Without tensor or pipeline parallelism that is the whole model and the whole traced forward
+(`multigpu.estimator.model_trace`). Under them (the package's GPT only, the model those
+strategies cut) a rank holds its pipeline stage(s)' blocks, each weight matrix cut by tp,
+and, per micro-batch, that share of the traced activations, taken apart block by block and
+cut as Megatron cuts them; a pipeline schedule keeps several micro-batches' activations
+alive at once. `multigpu.estimator.peak` puts a step's peak together from these shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from multigpu.estimator.model_trace import ActivationCost, GPTParts, activation_cost, gpt_parts, model_shape
+from multigpu.estimator.question import PIPELINES, Setup, data_parallel_kind
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank holds of the model before any data-parallel sharding (the whole model,
+    or its pipeline stages' blocks cut by tensor parallelism), and what one micro-batch
+    leaves on it for backward."""
+
+    parameters: int
+    largest_block: int  # parameters of the largest block it holds (a ZeRO-3 / FSDP unit)
+    outside_blocks: int  # parameters outside every block (the embeddings, the final norm, the head)
+    blocks: int
+    largest_tensor: int  # elements of its largest parameter
+    activations: ActivationCost | None  # one micro-batch's saved activations on this rank (None: a bare count)
+    recompute: tuple[float, float] = (0, 0)  # checkpointing: one block's activations made again, (fixed, per sample)
+    in_flight: float = 1  # micro-batches whose activations are alive at once (a pipeline's schedule)
+    loss_tensors: int = 2  # tensors of the log-probabilities' size the loss's gradient makes
+    grads_in_forward: bool = False  # a pipeline rank already holds gradients when its activations peak
+    pipeline_rank: int | None = None
+
+
+def bf16_weights(setup: Setup) -> bool:
+    """Whether the layers compute with bf16 weights: bf16-master keeps bf16 weights; this
+    package's bf16-mixed is autocast over fp32 weights, but FSDP's mixed-precision policy
+    gathers bf16 copies."""
+    return setup.dtype == "bf16-master" or (setup.dtype == "bf16-mixed" and data_parallel_kind(setup) in
+                                            ("fsdp", "pp-fsdp"))
+
+
+def _traced(setup: Setup, checkpointing: bool) -> ActivationCost:
+    return activation_cost(setup.model, setup.seq_len, setup.target_len,
+                           weights="bf16" if bf16_weights(setup) else "fp32",
+                           autocast={"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(setup.dtype, False),
+                           checkpointing=checkpointing,
+                           dropout=setup.dropout, attention=setup.attention,
+                           device="cuda" if setup.on_cuda else "cpu")
+
+
+@lru_cache(maxsize=256)
+def rank_shares(setup: Setup) -> list[RankShare]:
+    """One share per pipeline rank (one in all without a pipeline); every data-parallel and
+    tensor-parallel rank of a stage holds the same amount."""
+    shape, grid = model_shape(setup.model), setup.grid
+    if shape.vocab_size is None:  # params:<count>: the model states alone
+        return [RankShare(shape.parameters, 0, shape.parameters, 0, 0, None)]
+    cost = _traced(setup, setup.activation_checkpointing)
+    full = _traced(setup, False) if setup.activation_checkpointing else cost
+    if grid.tp == grid.pp == 1:
+        blocks = max(1, shape.blocks)
+        recompute = ((full.fixed - cost.fixed) / blocks, (full.per_sample - cost.per_sample) / blocks)
+        return [RankShare(shape.parameters, shape.largest_block, shape.outside_blocks, shape.blocks,
+                          shape.largest_tensor, cost, recompute)]
+    return [_model_parallel_share(setup, rank, cost, full) for rank in range(grid.pp)]
+
+
+def _model_parallel_share(setup: Setup, rank: int, cost: ActivationCost, full: ActivationCost) -> RankShare:
+    """Pipeline rank `rank`'s stages, each weight matrix cut by tp; its activations are the
+    traced ones of its blocks (scaled by `_tp_block_values`), of the embeddings on the first
+    stage, of the final norm, head and loss on the last. Micro-batches in flight on a rank:
+    GPipe all m (every forward before any backward); 1F1B min(p - rank, m) (its warm-up is
+    p - rank - 1 forwards; PipeDream-Flush, Narayanan et al. 2021,
+    https://arxiv.org/abs/2104.04473); interleaved 1F1B with v stages per rank p(1 + (p-1)/(pv))
+    of a rank's layers on the first rank (Korthikanti et al. 2022, section 4.2.3), and by
+    assumption (p - rank) + (p - 1)/v on the others."""
+    from multigpu.strategies.pp import SCHEDULES, stage_indices
+    from multigpu.strategies.pp_split import stage_blocks
+
+    parts, grid = gpt_parts(setup.model), setup.grid
+    t, p, m = grid.tp, grid.pp, setup.grad_accum_steps
+    pipeline, sp = setup.strategy in PIPELINES, setup.sequence_parallel
+    schedule = SCHEDULES[setup.strategy] if pipeline else None
+    v = schedule.stages_per_rank if pipeline else 1
+    stages, num_stages = (stage_indices(schedule, rank, p) if pipeline else [0]), p * v
+    blocks = sum(len(stage_blocks(parts.layers, num_stages, i)) for i in stages)
+    first, last = 0 in stages, num_stages - 1 in stages
+    block = parts.block_whole + parts.block_cut // t
+    outside = 0
+    if first:
+        outside += parts.embedding // t + parts.positions // (t if sp else 1)
+    if last:  # a tied head on the first stage's rank is the embedding itself
+        outside += parts.final_norm + (0 if parts.tied and first else parts.head // t)
+
+    # activations, (fixed, per sample): the traced whole model's, taken apart
+    def times(pair, k):
+        return pair[0] * k, pair[1] * k
+
+    L = parts.layers
+    embeddings = (cost.fixed - L * cost.last_block[0] - cost.tail[0],
+                  cost.per_sample - L * cost.last_block[1] - cost.tail[1])
+    whole, cut = _tp_block_values(parts, sp)
+    k_full = (whole + cut / t) / (whole + cut)
+    k = (1 / t if sp else 1) if setup.activation_checkpointing else k_full  # a checkpointed block keeps its input
+    # a block's part that does not grow with the batch is autocast's bf16 copies of its weights,
+    # cut as the weights are
+    k_weights = (parts.block_whole + parts.block_cut / t) / (parts.block_whole + parts.block_cut)
+
+    def block_of(traced, k_samples):
+        return traced.last_block[0] * k_weights, traced.last_block[1] * k_samples
+
+    one_block = block_of(cost, k)
+    recompute = tuple(a - b for a, b in zip(block_of(full, k_full), one_block)) \
+        if setup.activation_checkpointing else (0, 0)
+    # the loss's log-probabilities are cut by vocabulary where the loss is vocabulary-parallel
+    # (tp, fsdp with tp); a pipeline's last stage computes the loss from whole logits. Measured
+    # (tp_scaling, compositions): torch's loss_parallel holds one more such tensor in backward
+    # than the from-scratch vocabulary-parallel loss
+    logits = cost.logits_per_sample / (1 if pipeline else t)
+    loss_tensors = 2 if pipeline else 3
+    # (the head's fixed part: autocast's bf16 copy of its weight, cut by vocabulary)
+    tail = (cost.tail[0] / t, cost.tail[1] - cost.logits_per_sample + logits) if last else (0, 0)
+    width = 2 if bf16_weights(setup) else 4
+    # the first stage keeps the embeddings' output; a later one the hidden states it received
+    stage_input = times(embeddings, 1 / t if sp else 1) if first else (0, setup.seq_len * parts.d_model * width)
+    activations = ActivationCost(
+        fixed=blocks * one_block[0] + stage_input[0] + tail[0],
+        per_sample=blocks * one_block[1] + stage_input[1] + tail[1],
+        logits_per_sample=logits if last else 0, tail=tail, last_block=one_block)
+    in_flight = {"pp-gpipe": m, "pp-1f1b": min(p - rank, m),
+                 "pp-interleaved": (p - rank) + (p - 1) / v}.get(setup.strategy, 1)
+    return RankShare(
+        parameters=blocks * block + outside, largest_block=block, outside_blocks=outside, blocks=blocks,
+        largest_tensor=max(parts.embedding // t if first or last else 0, parts.largest_matrix // t),
+        activations=activations, recompute=recompute, in_flight=in_flight, loss_tensors=loss_tensors,
+        grads_in_forward=pipeline and setup.strategy != "pp-gpipe" and m > in_flight,
+        pipeline_rank=rank if pipeline else None)
+
+
+
+def _tp_block_values(parts: GPTParts, sequence_parallel: bool) -> tuple[int, int]:
+    """(kept whole, cut by t): values per token that one block saves for backward, split by
+    what a tensor-parallel rank keeps of them. The package's block (fused attention, no
+    dropout) saves, per token:
+    - whole: the outputs of ln_1 and ln_2 (the inputs of the column-parallel linears, which
+      every rank needs whole) and the residual stream after attention and after the MLP
+      (the next LayerNorm's inputs): 4h; and the LayerNorms' mean and 1/std: 4;
+    - cut: q, k, v (3h) and attention's output (h) of the rank's heads, its log-sum-exp (one
+      per head), and the MLP's hidden units before and after GELU (2 d_ff).
+    This is Megatron's split (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198,
+    section 4.1: s*b*h*(10 + 24/t + 5as/(ht)) bytes per layer in 16 bits) without the
+    dropout masks and the attention scores, which this block does not keep. Under sequence
+    parallelism, as torch's library runs it, the residual stream and the LayerNorms are cut
+    along the sequence too, but each column-parallel linear keeps its all-gathered input
+    whole (Megatron's own version gathers it again in backward instead): 2h whole."""
+    h, cut = parts.d_model, 4 * parts.d_model + 2 * parts.d_ff + parts.heads
+    if sequence_parallel:
+        return 2 * h, cut + 2 * h + 4
+    return 4 * h + 4, cut
+

@@ -1,0 +1,185 @@
+"""What one training step costs on a machine (`multigpu.estimator.machines`): a model of it,
+not a measurement.
+
+`step_time` puts one training step together:
+- compute: 6 FLOPs per parameter per token (forward 2, backward 4), plus the attention's
+  12 L h s per token (the Ultra-Scale Playbook's count, as picotron's MFU uses it); 8 and
+  16 with activation checkpointing (the forward runs twice); at the machine's achieved FLOP/s;
+- the collectives of each dimension of the rank grid on the link the placement puts them on,
+  the part that cannot hide behind compute added to the step (the strategy table's
+  `overlap`);
+- the pipeline's bubble: (p-1)/m of the compute for GPipe and 1F1B, (p-1)/(v m) interleaved
+  (Narayanan et al. 2021), which is (p-1)/(m+p-1) of the step.
+
+`recorded_machine` is the machine that made the records, as the model sees it: its links
+fitted to its timed collectives, its compute rate what one of its processes achieved.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from multigpu.errors import ConfigError
+from multigpu.estimator.machines import GPU, Link, Machine
+from multigpu.estimator.model_trace import gpt_parts, model_shape
+from multigpu.estimator.question import PIPELINES, Setup, data_parallel_kind
+from multigpu.estimator.share import bf16_weights, rank_shares
+from multigpu.strategy_table import STRATEGY_TABLE
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one training step, by where they go. `comm_s`: what each grid dimension's
+    collectives take ("dp", "tp", "pp"); `exposed_s`: what of it adds to the step."""
+
+    compute_s: float
+    bubble_s: float
+    comm_s: dict = field(default_factory=dict)
+    exposed_s: dict = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.bubble_s + sum(self.exposed_s.values())
+
+    def as_dict(self) -> dict:
+        return {"total_s": self.total_s, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
+                "comm_s": dict(self.comm_s), "exposed_comm_s": dict(self.exposed_s)}
+
+
+def flops_per_sample(setup: Setup) -> float:
+    """FLOPs of forward and backward for one sample: 6 per parameter per token plus the
+    attention's 12 L h s per token (8 and 16 when activation checkpointing runs forward
+    twice). T5: each half of the parameters sees one of the two lengths, taken as their mean."""
+    shape = model_shape(setup.model)
+    tokens = setup.seq_len if shape.family != "t5" else (setup.seq_len + (setup.target_len or setup.seq_len)) / 2
+    per_param, per_attention = (8, 16) if setup.activation_checkpointing else (6, 12)
+    attention = 0.0
+    if shape.family == "gpt":
+        parts = gpt_parts(setup.model)
+        attention = per_attention * parts.layers * parts.d_model * tokens
+    return (per_param * shape.parameters + attention) * tokens
+
+
+def group_link(machine: Machine, size: int, stride: int) -> tuple[Link, float]:
+    """The link a collective of `size` ranks `stride` apart runs on, and the share of its
+    bandwidth each of the groups running at once gets. Ranks fill nodes in order, tp
+    innermost, then dp, then pp (`runtime.RankGrid`'s layout): a group inside one node uses
+    the GPUs' own links; across nodes a ring leaves each node once, and every group of its
+    kind runs the same collective at the same time, so gpus_per_node / (members per node)
+    rings share each node's network."""
+    per_node = machine.gpus_per_node
+    if size == 1 or (size - 1) * stride < per_node:
+        return machine.intra, 1.0
+    if machine.inter is None:
+        raise ConfigError(f"a group of {size} ranks {stride} apart spans nodes, but {machine.name} has no link "
+                          "between nodes")
+    members_per_node = max(1, per_node // stride)
+    share = min(1.0, members_per_node / per_node,
+                machine.intra.bandwidth_bytes_per_s / machine.inter.bandwidth_bytes_per_s)
+    return machine.inter, share
+
+
+# What may run while the GPU computes, and behind which compute (the rest adds to the step), as
+# the strategy table's `overlap` column says it:
+# DDP's bucketed all-reduce and ZeRO-2's bucketed reduce-scatter behind backward; ZeRO-3's and
+# FSDP's prefetched all-gathers and their reduce-scatters behind forward and backward. Nothing
+# else hides: ZeRO-1's reduce-scatter waits for the end of backward, ZeRO-1/2's all-gather of the
+# updated parameters for the optimizer step, FSDP inside a pipeline stage gathers once before the
+# step's first forward and reduce-scatters after its last backward, and tensor parallelism's
+# all-reduces and a pipeline's sends are each awaited by the next layer or stage. Hiding is taken
+# as perfect up to the compute it runs behind: real overlap is partial (the collectives' kernels
+# compete with the compute's), so the sharded strategies' times are lower bounds; `step_time`'s
+# overlap=False gives the other bound, where nothing hides.
+def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool = True) -> StepTime:
+    """The model of one step of `global_batch` samples: see the module's docstring.
+    overlap=False: no collective hides behind compute (the step's upper bound; by default
+    hiding is perfect, the lower)."""
+    if setup.strategy == "dp":
+        raise ConfigError("the step-time model covers one process per GPU; DataParallel (dp) runs one process")
+    if setup.world_size != machine.gpus:
+        raise ConfigError(f"{setup.strategy} on {setup.world_size} ranks, but {machine.name} has {machine.gpus} GPUs")
+    grid, kind = setup.grid, setup.strategy
+    dp, tp, pp, m = grid.dp, grid.tp, grid.pp, setup.grad_accum_steps
+    compute = flops_per_sample(setup) * global_batch / (setup.world_size * machine.flops_per_s(setup.dtype))
+    backward = compute * (6 / 8 if setup.activation_checkpointing else 2 / 3)  # backward (and recompute) FLOPs
+    comm, exposed = {}, {}
+
+    shares = rank_shares(setup)
+    params = max(s.parameters for s in shares)  # the busiest rank's, cut by tp, before data-parallel sharding
+    grad_width = 2 if setup.dtype == "bf16-master" else 4
+    weight_width = 2 if bf16_weights(setup) else 4  # what ZeRO-3 gathers (FSDP's mixed precision: bf16 copies)
+    act_width = 2 if setup.dtype != "fp32" else 4  # activations between layers and stages
+    if dp > 1:  # the data-parallel collectives, once per step or per micro-batch
+        link, share = group_link(machine, dp, tp)
+        grads, weights, units = params * grad_width, params * weight_width, max(s.blocks for s in shares) + 1
+        buckets = max(1, math.ceil(grads / (setup.bucket_cap_mb * 2**20)))  # gradients go in buckets
+        run = data_parallel_kind(setup)
+        if run == "ddp":
+            seconds = link.seconds("all_reduce", grads, dp, share, calls=buckets)
+        elif run in ("zero1", "zero2"):
+            scatters = m if run == "zero2" else 1  # ZeRO-2 keeps only its gradient shard between micro-batches
+            seconds = (link.seconds("reduce_scatter", scatters * grads, dp, share, calls=scatters * buckets)
+                       + link.seconds("all_gather", grads / dp, dp, share, calls=buckets))
+        elif run in ("zero3", "fsdp"):
+            gathers = 1 if (run == "fsdp" and not setup.reshard_after_forward) else 2  # per micro-batch, per unit
+            seconds = m * (link.seconds("all_gather", gathers * weights / dp, dp, share, calls=gathers * units)
+                           + link.seconds("reduce_scatter", grads, dp, share, calls=units))
+        else:  # FSDP inside a pipeline stage: once per step
+            seconds = (link.seconds("all_gather", weights / dp, dp, share)
+                       + link.seconds("reduce_scatter", grads, dp, share))
+        behind = STRATEGY_TABLE[run].overlap if run in STRATEGY_TABLE else "none"  # pp-fsdp: none
+        hides = {"backward": backward, "all": compute}.get(behind, 0.0) if overlap else 0.0
+        if run == "zero2":  # its all-gather after the step does not hide
+            after = link.seconds("all_gather", grads / dp, dp, share, calls=buckets)
+            comm["dp"], exposed["dp"] = seconds, max(0.0, seconds - after - hides) + after
+        else:
+            comm["dp"], exposed["dp"] = seconds, max(0.0, seconds - hides)
+    # one micro-batch's hidden states (b, s, h): what tensor parallelism all-reduces and a stage sends
+    activation = global_batch // (dp * m) * setup.seq_len * act_width * (
+        gpt_parts(setup.model).d_model if tp > 1 or pp > 1 else 0)
+    if tp > 1:  # per micro-batch: each block's two all-reduces forward and two backward (three and three
+        # when checkpointing recomputes the forward), the embedding's forward and the head's backward
+        link, share = group_link(machine, tp, 1)
+        per_block = 6 if setup.activation_checkpointing else 4
+        calls = m * (per_block * max(s.blocks for s in shares) + 2)
+        comm["tp"] = exposed["tp"] = link.seconds("all_reduce", calls * activation, tp, share, calls=calls)
+    bubble = 0.0
+    if kind in PIPELINES:  # each micro-batch's activations forward and their gradients back, per stage crossed
+        from multigpu.strategies.pp import SCHEDULES
+
+        v = SCHEDULES[kind].stages_per_rank
+        link, share = group_link(machine, pp, dp * tp)
+        sends = 2 * v * (m + pp - 1)
+        comm["pp"] = exposed["pp"] = link.seconds("send", sends * activation, 2, share, calls=sends)
+        bubble = compute * (pp - 1) / (v * m)
+    return StepTime(compute, bubble, comm, exposed)
+
+
+def recorded_machine(ranks: int = 2, tag: str | None = None) -> Machine:
+    """The machine that made the records (`tag`: a folder of results/; default the richest
+    with both experiments),
+    as `ranks` CPU processes: its link is the alpha-beta fit of its timed collectives
+    (experiment link_model), and its compute rate what one process achieved training
+    gpt-small alone (experiment tp_scaling: one thread, as each rank has)."""
+    from multigpu import records
+
+    if tag is None:  # the richest machine that has both: a fit and a step from the same machine
+        tag = next((t for t in records.machines_with("tp_scaling") if t in records.machines_with("link_model")), None)
+    fits = tuple((r["collective"], r["alpha_s"], r["beta_s_per_byte"]) for r in records.load("link_model", tag)
+                 if r["world_size"] == ranks)
+    if not fits:
+        raise ConfigError(f"no recorded link model for {ranks} ranks: the link_model experiment times 2 and 4")
+    single = next(r for r in records.load("tp_scaling", tag) if r["config"]["strategy"] == "single")
+    c, prov = single["config"], single["provenance"]
+    setup = Setup(c["model"], "single", 1, seq_len=c["seq_len"], dtype=c["dtype"])
+    rate = flops_per_sample(setup) * c["global_batch_size"] / single["step_time_s"]
+    core = GPU(f"one CPU process of {prov['device_names'][0]}, {prov['threads_per_worker']} thread", 0, rate, rate,
+               f"measured: {c['model']}'s single-process step in tp_scaling ({prov['machine_tag']}, "
+               f"{prov['date'][:10]})")
+    median = sorted(a for _, a, _ in fits)[len(fits) // 2]
+    link = Link(f"{prov['backend']} over loopback, fitted", 1 / max(b for _, _, b in fits), median,
+                f"measured: link_model's timed collectives on {ranks} ranks ({prov['machine_tag']})",
+                "measured: the fitted alpha of each collective", fits)
+    return Machine(f"{prov['machine_tag']} as {ranks} processes", core, ranks, 1, link, None, mfu=1.0,
+                   mfu_source="measured: the rate is what a process achieved, not a share of a peak")
