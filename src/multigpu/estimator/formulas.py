@@ -225,42 +225,45 @@ def offload_host_bytes(parameters: int, ranks: int, gpus_per_node: int, optimize
 LOSS_VALUES_PER_TOKEN = 3  # the vocabulary-parallel cross-entropy's all-reduces: max, sum of exp, target logit
 
 
-def tp_region_crossings(layers: int) -> int:
-    """Collectives per step on the (batch, seq, width) hidden states: 2(2L+1).
+def tp_region_crossings(layers: int, phase: str = "step") -> int:
+    """Collectives on the (batch, seq, width) hidden states: 2L+1 in forward, 2L+1 in backward.
 
     Forward: two per block (attention's and the MLP's row-parallel outputs) and the
     vocabulary-parallel embedding's; backward: two per block and the head's input gradient
     (Shoeybi et al. 2019, section 3: the f and g operators). One all-reduce each, or, with
     sequence parallelism, a reduce-scatter and an all-gather each (Korthikanti et al. 2022,
-    section 4.2.2)."""
-    return 2 * (2 * layers + 1)
+    section 4.2.2). phase: "forward", "backward" or the whole "step", 2(2L+1)."""
+    if phase not in ("forward", "backward", "step"):
+        raise ValueError(f"phase must be 'forward', 'backward' or 'step', got {phase!r}")
+    return (2 * layers + 1) * (2 if phase == "step" else 1)
 
 
-def tp_step_calls(layers: int, sequence_parallel: bool = False) -> dict[str, int]:
-    """Collective calls per training step of tensor parallelism on a GPT of `layers` blocks
-    (`tp_region_crossings`), plus the vocabulary-parallel loss's three all-reduces."""
-    big = tp_region_crossings(layers)
-    if sequence_parallel:
-        return {"reduce_scatter": big, "all_gather": big, "all_reduce": LOSS_VALUES_PER_TOKEN}
-    return {"all_reduce": big + LOSS_VALUES_PER_TOKEN}
+def tp_step_calls(layers: int, sequence_parallel: bool = False, phase: str = "step") -> dict[str, int]:
+    """Collective calls of tensor parallelism on a GPT of `layers` blocks, per step or per phase
+    (`tp_region_crossings`), with the vocabulary-parallel loss's three all-reduces in forward."""
+    crossings = tp_region_crossings(layers, phase)
+    calls = {"reduce_scatter": crossings, "all_gather": crossings} if sequence_parallel else {"all_reduce": crossings}
+    if phase != "backward":
+        calls["all_reduce"] = calls.get("all_reduce", 0) + LOSS_VALUES_PER_TOKEN
+    return calls
 
 
 def tp_step_payloads(layers: int, tokens: int, d_model: int, ranks: int, value_bytes: int = 4,
-                     sequence_parallel: bool = False) -> dict[str, float]:
-    """What one rank hands to each collective per training step of tensor parallelism, in bytes.
+                     sequence_parallel: bool = False, phase: str = "step") -> dict[str, float]:
+    """What one rank hands to each collective of tensor parallelism, per step or per phase, in bytes.
 
     tokens: batch x sequence of the step (all of it: every rank sees every sample); value_bytes:
     bytes of an activation (4 fp32, 2 bf16). Each crossing (`tp_region_crossings`) carries one
     tokens x d_model tensor; with sequence parallelism the reduce-scatter takes it whole and
     the all-gather this rank's 1/t of the sequence. The loss adds three fp32 numbers per
-    token (Shoeybi et al. 2019, section 3). The gradients of what every rank keeps whole
-    (LayerNorms, row-parallel biases) are summed after the step, outside these counts."""
-    hidden = tokens * d_model * value_bytes
-    big = tp_region_crossings(layers) * hidden
-    loss = LOSS_VALUES_PER_TOKEN * tokens * 4
-    if sequence_parallel:
-        return {"reduce_scatter": big, "all_gather": big / ranks, "all_reduce": loss}
-    return {"all_reduce": big + loss}
+    token in forward (Shoeybi et al. 2019, section 3). The gradients of what every rank keeps
+    whole (LayerNorms, row-parallel biases) are summed after the step, outside these counts."""
+    crossings = tp_region_crossings(layers, phase) * tokens * d_model * value_bytes
+    payloads = ({"reduce_scatter": crossings, "all_gather": crossings / ranks} if sequence_parallel
+                else {"all_reduce": crossings})
+    if phase != "backward":
+        payloads["all_reduce"] = payloads.get("all_reduce", 0) + LOSS_VALUES_PER_TOKEN * tokens * 4
+    return payloads
 
 
 def tp_comm_over_compute(t: int, h: int, flops_per_s: float, bandwidth_bytes_per_s: float,
