@@ -127,6 +127,12 @@ def all_reduce_sent_by_rank(algorithm: str, payload_bytes: float, ranks: int) ->
 # -- data parallelism: DDP, ZeRO, FSDP, HSDP ------------------------------------------------
 
 
+def sent_per_rank(payloads: dict[str, float], ranks: int) -> float:
+    """Bytes one rank sends for these payloads (kind -> bytes) on `ranks` ranks, all kinds
+    together: each kind's ring cost, `comm.sent_bytes` (Thakur et al. 2005)."""
+    return sum(sent_bytes(kind, nbytes, ranks) for kind, nbytes in payloads.items())
+
+
 def zero_payloads(stage: int, parameters: int, ranks: int, grad_width: int = 4, weight_width: int = 4,
                   gathered_once: int = 0) -> dict[str, float]:
     """What one rank hands to each collective per step under ZeRO stage 0 (DDP) to 3, in bytes.
