@@ -280,3 +280,16 @@ def predict_largest_batch(setup: Setup, memory_bytes: int, calibration=None) -> 
         result = estimate(setup, k * step)
         total = result.per_rank_bytes["total"] if calibration is None else calibration.machine_bytes(result)
         return total <= memory_bytes
+
+    if not fits(1):
+        return None
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 2**40:
+            raise ConfigError(f"more than {lo:,} samples per rank fit in {memory_bytes / 2**30:,.0f} GiB; "
+                              "give the memory of one device (e.g. --gpu-memory 80GiB), not a total")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return estimate(setup, lo * step)
