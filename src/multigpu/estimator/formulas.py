@@ -189,16 +189,17 @@ def hsdp_payloads(parameters: int, shard_ranks: int, replicas: int, grad_width: 
     return payloads
 
 
-def hsdp_seconds(parameters: int, shard_ranks: int, replicas: int, shard_link, replica_link=None,
-                 shard_share: float = 1.0, replica_share: float = 1.0, grad_width: int = 4,
+def hsdp_seconds(parameters: int, shard_ranks: int, replicas: int, shard_link, shard_share: float = 1.0,
+                 replica_link=None, replica_share: float = 1.0, grad_width: int = 4,
                  weight_width: int = 4) -> tuple[float, float]:
     """(seconds inside the shard groups, seconds across the replicas) of a step's HSDP
     collectives, nothing hidden behind compute.
 
-    The links are `multigpu.hardware.Link`s (anything with `seconds(kind, payload_bytes,
-    ranks, share)`: Hockney's alpha-beta model of one call per kind), with the share of their
-    bandwidth each group gets (`hardware.group_link`). One replica over all N ranks: plain
-    FSDP, whose ring crosses every link between its ranks. The payloads are `hsdp_payloads`'."""
+    Each link comes with the share of its bandwidth one group gets, as
+    `multigpu.estimator.step_time.group_link` returns them; a link is anything with
+    `seconds(kind, payload_bytes, ranks, share)` (`machines.Link`: Hockney's alpha-beta model,
+    one call per kind). One replica over all N ranks: plain FSDP, whose ring crosses every link
+    between its ranks. The payloads are `hsdp_payloads`'."""
     payloads = hsdp_payloads(parameters, shard_ranks, replicas, grad_width, weight_width)
     inside = sum(shard_link.seconds(kind, payloads[kind], shard_ranks, shard_share)
                  for kind in ("all_gather", "reduce_scatter"))
