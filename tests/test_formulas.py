@@ -35,6 +35,7 @@ from multigpu.estimator.formulas import (
     offload_host_bytes,
     offload_pcie_bytes,
     pipeline_step_seconds,
+    sent_per_rank,
     tp_comm_over_compute,
     tp_even_width,
     tp_mlp_even_width,
@@ -105,7 +106,8 @@ CASES = ([("gpipe", ScheduleGPipe, 1, p, m) for p in (2, 3, 4) for m in (1, 2, 3
 
 
 @pytest.mark.parametrize("name, schedule, v, p, m", CASES)
-def test_the_bubble_and_the_step_are_those_of_the_schedules_run_on_a_clock(name, schedule, v, p, m):
+def test_the_bubble_step_and_micro_batches_in_flight_are_those_of_the_schedules_run_on_a_clock(
+        name, schedule, v, p, m):
     orders = scratch_orders(p, m) if schedule is None else library_orders(schedule, p, m, v)
     busy, step = run_on_a_clock(orders, v)
     for computed in busy:
@@ -113,11 +115,6 @@ def test_the_bubble_and_the_step_are_those_of_the_schedules_run_on_a_clock(name,
         assert math.isclose(1 - computed / step, bubble_fraction(p, m, v))
         assert math.isclose((step - computed) / computed, bubble_over_ideal(p, m, v))
     assert math.isclose(step, pipeline_step_seconds(p, m, forward_s=v, backward_s=2 * v, v=v))
-
-
-@pytest.mark.parametrize("name, schedule, v, p, m", CASES)
-def test_the_micro_batches_in_flight_are_those_of_the_schedules(name, schedule, v, p, m):
-    orders = scratch_orders(p, m) if schedule is None else library_orders(schedule, p, m, v)
     for rank, order in enumerate(orders):
         alive = most = 0
         for a in order:  # a stage's forward keeps its activations until its backward
@@ -196,7 +193,7 @@ def test_zero_payloads_and_fsdp_calls_are_the_recorded_ones():
         predicted = zero_payloads(stage, shape.parameters, n, gathered_once=gathered_once)
         payload, sent = r["comm_payload_bytes_per_step_by_rank"][0], r["comm_bytes_per_step_by_rank"][0]
         assert payload.get("all_gather", 0) == predicted.get("all_gather", 0), key
-        assert sum(sent.values()) == pytest.approx(sum(sent_bytes(k, b, n) for k, b in predicted.items())), key
+        assert sum(sent.values()) == pytest.approx(sent_per_rank(predicted, n)), key
         if units_once is not None:  # the units: one per block and the root, or the root alone
             units = 1 if c["extra"].get("wrap") == "root" else shape.blocks + 1
             calls = r["comm_calls_per_step_by_rank"][0]
