@@ -4,7 +4,7 @@ its collectives per step, what crosses a PCIe link under ZeRO-Offload.
 Each function is a formula from a paper, written once here so that the chapters' exercises,
 the estimator and the step model ask it instead of typing it again. They take numbers
 (parameter counts, widths in bytes, ranks), never a model's name: shapes come from
-`multigpu.trace.model_shape` and `gpt_parts`, times from a link's `seconds`. Payloads are
+`multigpu.estimator.model_shape` and `gpt_parts`, times from a link's `seconds`. Payloads are
 what one rank hands to a collective, as `multigpu.comm.CommCounter` counts them; what the ring
 then makes it send is `multigpu.comm.sent_bytes`. `tests/test_formulas.py` holds each formula
 to a committed record, to torch's own schedules and FLOP counts, or to the package's counters.
@@ -31,7 +31,7 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     and the drain are p-1 actions, each 1/v of a rank's share of the model. GPipe's count
     (Huang et al. 2019, section 2.2), with interleaving as Narayanan et al. 2021 (section 2.2)
     shortens it. Exact for 1F1B and GPipe at any m >= 1, for interleaved 1F1B at m a
-    multiple of p; zero-bubble schedules (Qi et al. 2024) fill it otherwise."""
+    multiple of p; not for the zero-bubble schedules (Qi et al. 2024), which fill part of it."""
     return (p - 1) / (v * m + p - 1)
 
 
