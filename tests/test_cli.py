@@ -209,3 +209,44 @@ def test_figures_refuses_a_results_folder_that_is_a_file(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip() == (f"error: the results folder {a_file} cannot be made: {a_file} is a file; "
                                   "point MULTIGPU_RESULTS at a folder (or unset it for results/)")
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_strategy_runs_with_only_its_name_and_a_world_size(command, world_size, capsys):
+    """`run`/`check --strategy S --world-size N`, as a new user types them, is a valid run for every
+    strategy (a pipeline picks a model with a block per stage and enough micro-batches, and says
+    so), or is refused with the one flag to add."""
+    from multigpu.config import STRATEGIES, ConfigError
+    from multigpu.models import GPT_SIZES
+    from multigpu.strategies.pp import SCHEDULES, microbatch_problem
+
+    parser = cli.build_parser()
+    for strategy in STRATEGIES:
+        if strategy == "single":
+            continue
+        args = parser.parse_args([command, "--strategy", strategy, "--world-size", str(world_size)])
+        try:
+            cfg = cli._config(args)
+        except ConfigError as err:  # too few blocks in every small preset: the message names the flag
+            assert "--model gpt2" in str(err), (strategy, str(err))
+            continue
+        assert cfg.world_size == world_size and cfg.grid.size == world_size
+        if cfg.info.spans == "pp":  # a block per stage, micro-batches the schedule takes, and said so
+            stages = cfg.grid.pp * (SCHEDULES[strategy].stages_per_rank if strategy in SCHEDULES else 1)
+            assert GPT_SIZES[cfg.model].n_layer >= stages
+            assert strategy not in SCHEDULES or microbatch_problem(strategy, cfg.grad_accum_steps, cfg.grid.pp) is None
+            picked = capsys.readouterr().err
+            if cfg.model != "gpt-tiny":
+                assert f"{strategy} on {world_size} processes: model {cfg.model}" in picked
+            if cfg.grad_accum_steps != 1:
+                assert "(give --grad-accum-steps to choose)" in picked
+
+
+def test_a_users_own_choice_is_kept(capsys):
+    args = cli.build_parser().parse_args(["run", "--strategy", "pp-1f1b", "--world-size", "2",
+                                          "--grad-accum-steps", "1"])
+    with pytest.raises(multigpu.ConfigError, match="grad_accum_steps=1 < 2 stages"):
+        cli._config(args)
+    args = cli.build_parser().parse_args(["run", "--strategy", "pp-gpipe", "--world-size", "4", "--model", "gpt-small"])
+    assert cli._config(args).model == "gpt-small" and "instead of" not in capsys.readouterr().err

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from multigpu.config import OPTIMIZERS, STRATEGIES, ConfigError, RunConfig
+from multigpu.config import OPTIMIZERS, STRATEGIES, ConfigError, RunConfig, with_strategy_defaults
 from multigpu.estimator.machines import MACHINES
 from multigpu.strategy_table import ESTIMATED
 
@@ -31,14 +31,15 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hsdp-replicas", type=int, default=None,
                    help="fsdp: hybrid sharding, the data-parallel ranks cut into this many groups that each "
                         "shard the model and replicate each other (shard inside a node, replicate across)")
-    p.add_argument("--model", default=d.model,
-                   help="model preset (gpt-tiny, gpt2, t5-small, ...) or a Hugging Face config.json")
+    p.add_argument("--model", default=None, help=f"model preset (gpt-tiny, gpt2, t5-small, ...) or a Hugging Face "
+                   f"config.json (default: {d.model}, or a deeper gpt-* where a pipeline needs a block per stage)")
     p.add_argument("--global-batch-size", "--batch-size", type=int, default=d.global_batch_size,
                    help="samples per optimizer step, all processes together")
     p.add_argument("--per-rank-batch-size", type=int, default=None,
                    help="samples per optimizer step on each process (sets the global batch to N times it)")
-    p.add_argument("--grad-accum-steps", "--micro-batches", type=int, default=d.grad_accum_steps,
-                   help="micro-batches per optimizer step (a pipeline schedule's m)")
+    p.add_argument("--grad-accum-steps", "--micro-batches", type=int, default=None,
+                   help=f"micro-batches per optimizer step, a pipeline schedule's m (default: {d.grad_accum_steps}, "
+                        "or the fewest the pipeline's schedule takes)")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--dtype", default=d.dtype, help="fp32, bf16-mixed (autocast) or fp16-mixed (autocast with loss "
                    "scaling; single, ddp and dp)")
@@ -61,20 +62,27 @@ def _config(args) -> RunConfig:
         if args.strategy != "fsdp":
             raise ConfigError(f"--hsdp-replicas is hybrid sharding, an fsdp option; got --strategy {args.strategy}")
         extra["replicas"] = args.hsdp_replicas
+    d = RunConfig()
     cfg = RunConfig(strategy=args.strategy, world_size=world_size, tp=args.tp, pp=args.pp, dp=args.dp,
-                    model=args.model, extra=extra)
+                    model=args.model or d.model, extra=extra)
     global_batch_size = args.global_batch_size
     if args.per_rank_batch_size is not None:
         if args.per_rank_batch_size < 1:
             raise ConfigError(f"--per-rank-batch-size must be >= 1, got {args.per_rank_batch_size}")
         if cfg.strategy in STRATEGIES:
             global_batch_size = args.per_rank_batch_size * cfg.grid.dp  # the grid, checked
-    return cfg.replace(
-        global_batch_size=global_batch_size, grad_accum_steps=args.grad_accum_steps,
+    cfg = cfg.replace(
+        global_batch_size=global_batch_size, grad_accum_steps=args.grad_accum_steps or d.grad_accum_steps,
         seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
         activation_checkpointing=args.activation_checkpointing, dataset=args.dataset, seed=args.seed,
         device=args.device, bucket_cap_mb=args.bucket_cap_mb, threads_per_worker=args.threads_per_worker,
-    ).validate()
+    )
+    if cfg.strategy in STRATEGIES:  # what the strategy needs and the defaults do not give, said
+        chosen = {name for name in ("model", "grad_accum_steps") if getattr(args, name) is not None}
+        cfg, notes = with_strategy_defaults(cfg, chosen)
+        for note in notes:
+            print(f"multigpu: {note}", file=sys.stderr)
+    return cfg.validate()
 
 
 def _mib(nbytes: float) -> str:

@@ -13,7 +13,6 @@ import os
 import re
 from dataclasses import dataclass, field
 
-
 from multigpu.errors import ConfigError
 from multigpu.grid import Grid, resolve_grid
 from multigpu.strategy_table import (  # noqa: F401 - the table's names, where callers have always found them
@@ -224,6 +223,23 @@ class RunConfig:
 
     def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)
+
+
+def with_strategy_defaults(cfg: RunConfig, chosen: set[str] | frozenset = frozenset()) -> tuple[RunConfig, list[str]]:
+    """`cfg` with what its strategy needs that the package's defaults do not give, for the fields
+    the reader did not choose (`chosen`: names of RunConfig fields given explicitly): a pipeline
+    on 4 ranks needs a model with 4 blocks (gpt-tiny has 2) and, for 1F1B, 4 micro-batches. The
+    strategy's module says what it needs (its `defaults(cfg)`); the lines returned say what was
+    picked and how to choose otherwise. Degrees that cannot tile the world raise ConfigError."""
+    import importlib
+
+    cfg.grid  # noqa: B018 - the grid first: what a strategy needs depends on it
+    module = importlib.import_module(f"multigpu.strategies.{cfg.info.module}")
+    wanted = getattr(module, "defaults", lambda c: {})(cfg)
+    changes = {k: v for k, v in wanted.items() if k not in chosen and getattr(cfg, k) != v}
+    notes = [f"{cfg.strategy} on {cfg.world_size} processes: {k.replace('_', ' ')} {v} instead of the default "
+             f"{getattr(cfg, k)} (give --{k.replace('_', '-')} to choose)" for k, v in changes.items()]
+    return cfg.replace(**changes), notes
 
 
 def parse_fault(fault: str) -> tuple[str, int, int]:

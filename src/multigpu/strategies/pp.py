@@ -70,6 +70,8 @@ from multigpu.models import GPT, loss_from_logits
 from multigpu.strategies import Parallelized, build_optimizer, compose
 from multigpu.strategies.pp_scratch import ActionClock
 from multigpu.strategies.pp_split import (
+    deep_enough,
+    deeper_preset,
     local_grad,
     loss_to_all,
     split_gpt,
@@ -215,11 +217,29 @@ def config_problems(cfg) -> list[str]:
     if n_layer is not None and stages > n_layer:
         problems.append(f"{name} cuts {cfg.model} into {stages} stages ({p} ranks x {schedule.stages_per_rank}) "
                         f"but it has {n_layer} blocks; use at most {n_layer // schedule.stages_per_rank} "
-                        f"processes or a deeper model")
+                        f"process(es) or a deeper model{deeper_preset(stages)}")
     why = microbatch_problem(name, m, p)
     if why:
         problems.append(why)
     return problems
+
+
+def defaults(cfg) -> dict:
+    """What this run needs that the package's defaults do not give (config.with_strategy_defaults
+    applies it where the reader chose nothing): a GPT with a block for every stage, and the
+    fewest micro-batches the schedule takes that split the global batch."""
+    p, schedule = cfg.degrees["pp"], SCHEDULES[cfg.strategy]
+    wanted = {}
+    model = deep_enough(cfg.model, p * schedule.stages_per_rank)
+    if model:
+        wanted["model"] = model
+    per_micro = cfg.degrees["dp"]
+    m = next((m for m in range(cfg.grad_accum_steps, 4 * p * schedule.stages_per_rank + 1)
+             if microbatch_problem(cfg.strategy, m, p) is None and cfg.global_batch_size % (per_micro * m) == 0),
+             cfg.grad_accum_steps)  # none: validate says why, with the numbers
+    if m != cfg.grad_accum_steps:
+        wanted["grad_accum_steps"] = m
+    return wanted
 
 
 def prepare(model: nn.Module, cfg, rt) -> Parallelized:

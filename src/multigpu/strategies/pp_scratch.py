@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 from multigpu.strategies import Parallelized, build_optimizer
 from multigpu.strategies.pp_split import (
+    deep_enough,
+    deeper_preset,
     loss_to_all,
     split_gpt,
     sync_tied_embedding,
@@ -320,8 +322,15 @@ def config_problems(cfg) -> list[str]:
     n_layer = GPT_SIZES[cfg.model].n_layer if cfg.model in GPT_SIZES else read_config_file(cfg.model)["n_layer"]
     if stages > n_layer:
         return [f"{stages} stages cannot split {cfg.model}'s {n_layer} blocks (a stage needs at least one); "
-                f"use at most {n_layer} processes, or a deeper model (gpt-mini has 4 blocks, gpt-small 6)"]
+                f"use at most {n_layer} processes, or a deeper model{deeper_preset(stages)}"]
     return []
+
+
+def defaults(cfg) -> dict:
+    """What this run needs that the package's defaults do not give (config.with_strategy_defaults
+    applies it where the reader chose nothing): a GPT with a block for every stage."""
+    model = deep_enough(cfg.model, cfg.degrees["pp"])
+    return {"model": model} if model else {}
 
 
 def prepare(model, cfg, rt) -> Parallelized:

@@ -26,6 +26,27 @@ from torch.distributed.tensor import DTensor
 from multigpu.models import GPT
 
 
+def deep_enough(model: str, stages: int) -> str | None:
+    """The smallest of the package's small GPT presets (gpt-tiny, gpt-mini, gpt-small: the
+    laptop's sizes, not GPT-2's) with a block for each of `stages` stages, where `model` is
+    one of them with fewer blocks; None where it has enough, or none of them is deep enough."""
+    from multigpu.models import GPT_SIZES
+
+    small = sorted((c.n_layer, name) for name, c in GPT_SIZES.items() if name.startswith("gpt-"))
+    if model not in dict((n, k) for k, n in small) or GPT_SIZES[model].n_layer >= stages:
+        return None
+    return next((name for n_layer, name in small if n_layer >= stages), None)
+
+
+def deeper_preset(stages: int) -> str:
+    """', e.g. --model gpt2 (12 blocks)': the smallest GPT preset with a block for each stage, for a
+    refusal to name the one flag to add."""
+    from multigpu.models import GPT_SIZES
+
+    found = min(((c.n_layer, name) for name, c in GPT_SIZES.items() if c.n_layer >= stages), default=None)
+    return f", e.g. --model {found[1]} ({found[0]} blocks)" if found else ""
+
+
 def stage_blocks(n_layer: int, num_stages: int, stage: int) -> list[int]:
     """The indices of the blocks stage `stage` of `num_stages` owns: contiguous, the first
     `n_layer % num_stages` stages one more."""
