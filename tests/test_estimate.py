@@ -445,14 +445,15 @@ def test_micro_batches_in_flight_follow_the_schedule(strategy, m, expected):
         assert found.per_rank_bytes["activations"] == int(rank.in_flight * rank.activations.saved(1))
 
 
+# the grid's own refusals are the package's one rule's (multigpu.grid.resolve_grid); the rest the estimator's
 @pytest.mark.parametrize("changes, says", [
     (dict(strategy="tp", world_size=3), "tp 3 does not divide the 8 attention heads; use a tp that divides 8"),
-    (dict(strategy="ddp", world_size=4, tp=2), "does not combine with tp 2"),
-    (dict(strategy="fsdp", world_size=4, pp=2), "pipeline parallelism is a strategy of its own"),
-    (dict(strategy="tp", world_size=4, tp=2), "use fsdp with tp 2 (2D)"),
+    (dict(strategy="ddp", world_size=4, tp=2), "does not combine with tp (tp=2)"),
+    (dict(strategy="fsdp", world_size=4, pp=2), "For pipeline parallelism: a --strategy pp-"),
+    (dict(strategy="tp", world_size=4, tp=2), "world size 4 != dp 1 x pp 1 x tp 2 = 2"),
     (dict(strategy="pp-1f1b", world_size=2, grad_accum_steps=1), "needs at least as many micro-batches"),
     (dict(strategy="pp-1f1b", world_size=8, grad_accum_steps=8), "but it has 6 blocks"),
-    (dict(strategy="pp-1f1b", world_size=6, pp=4, grad_accum_steps=4), "not a multiple of pp 4 x tp 1"),
+    (dict(strategy="pp-1f1b", world_size=6, pp=4, grad_accum_steps=4), "world size 6 != dp 1 x pp 4 x tp 1 = 4"),
     (dict(strategy="pp-gpipe", world_size=4, tp=2, sequence_parallel=True), "sequence parallelism"),
     (dict(model="t5-small", strategy="tp", world_size=2), "package's GPT"),
 ])
