@@ -45,7 +45,7 @@ def test_the_tracker_is_held_against_no_workspaces_the_allocator_against_two():
     assert tracker.on_cuda and allocator.on_cuda  # both keep the allocator's 512-byte rounding
     assert tracker.cuda_workspace_bytes == 0
     assert allocator.cuda_workspace_bytes == 2 * 32 * MiB  # an H100: two 32 MiB workspaces
-    assert setup_of(record) == allocator  # the default: what launch.memory_problem asks (the GPU's memory)
+    assert setup_of(record) == allocator  # the default: what fits.memory_problem asks (the GPU's memory)
     held = {s: estimate(s, 4).per_rank_bytes for s in (tracker, allocator)}
     assert held[allocator]["other"] - held[tracker]["other"] == 64 * MiB
     assert held[allocator]["total"] - held[tracker]["total"] == 64 * MiB

@@ -281,8 +281,9 @@ def test_bad_node_arguments_are_refused_before_anything_starts(kwargs, expected,
 def test_a_run_that_cannot_fit_is_refused_with_the_estimators_numbers(monkeypatch, run_dirs):
     """With 200 MiB free, gpt-small at a batch of 256 is refused before any worker starts,
     with what it needs, what is free and the largest batch the estimator says fits."""
-    launch_module = sys.modules["multigpu.launch"]
-    monkeypatch.setattr(launch_module, "available_bytes", lambda device, gpu=0: 200 * 2**20)
+    from multigpu.estimator import fits
+
+    monkeypatch.setattr(fits, "available_bytes", lambda device, gpu=0: 200 * 2**20)
     cfg = RunConfig(strategy="ddp", world_size=2, model="gpt-small", global_batch_size=256, steps=2)
     with pytest.raises(ConfigError) as info:
         launch(cfg, progress=False)
@@ -295,9 +296,8 @@ def test_a_run_that_cannot_fit_is_refused_with_the_estimators_numbers(monkeypatc
 
 def test_a_small_run_pays_no_estimate(monkeypatch):
     """The screen lets a run far below the free memory through without the estimator."""
-    from multigpu.estimator import peak
+    from multigpu.estimator import fits, peak
 
-    launch_module = sys.modules["multigpu.launch"]
     monkeypatch.setattr(peak, "estimate", lambda *a, **k: pytest.fail("the estimator ran"))
     cfg = RunConfig(strategy="ddp", world_size=2, steps=2).validate()
-    assert launch_module.memory_problem(cfg, "cpu", 2) is None
+    assert fits.memory_problem(cfg, "cpu", 2) is None

@@ -41,7 +41,7 @@ def setup_of(record: dict, against: str = "allocator") -> Setup | None:
     replicas, FSDP wrapping anything but blocks).
 
     `against`: what the estimate will be held against. "allocator" (the default: what a GPU
-    must hold, as `launch.memory_problem` and the machine's calibration ask) counts cuBLAS's
+    must hold, as `fits.memory_problem` and the machine's calibration ask) counts cuBLAS's
     workspaces on a GPU; "tracker" (a record's categories, `against_records`) leaves them
     out, since MemTracker never sees them. Both keep the allocator's 512-byte rounding, which
     MemTracker applies on CUDA too. On a CPU the two are the same question."""
