@@ -1,13 +1,13 @@
 // The memory calculator of the static site (the chapter "Choosing a strategy").
 //
-// window.MULTIGPU_GRID (written at build time by src/multigpu/calculator.py) holds, for every
+// window.MULTIGPU_GRID (written at build time by src/multigpu/estimator/calculator.py) holds, for every
 // setup, each pipeline rank's phases of a step as straight lines in the per-rank batch b: per
 // category but the optimizer's, [const, slope]; the optimizer's state apart, per optimizer and
 // rank, with what its step allocates beside it (Adam's temporaries: the "optimizer step" phase,
 // which SGD, stepping in place, does not have). This file evaluates them as
-// multigpu.estimate.estimate does (the largest phase of the largest rank, each category
+// multigpu.estimator.peak.estimate does (the largest phase of the largest rank, each category
 // truncated to whole bytes) and searches the largest batch as
-// estimate.predict_largest_batch does. window.multigpuCalculator exposes both for tests/test_site.py.
+// peak.predict_largest_batch does. window.multigpuCalculator exposes both for tests/test_site.py.
 (function () {
   "use strict";
   const GRID = window.MULTIGPU_GRID;

@@ -270,7 +270,7 @@ def predict_largest_batch(setup: Setup, memory_bytes: int, calibration=None) -> 
     """Predicted (nothing runs; maxbatch.measure_largest_batch measures it): the estimate for
     the largest global batch whose peak fits in `memory_bytes` per rank
     (global batches step by data-parallel ranks x micro-batches), or None if not even the
-    smallest fits. With a `calibration` (multigpu.accuracy.machine_calibration), what must fit
+    smallest fits. With a `calibration` (multigpu.estimator.accuracy.machine_calibration), what must fit
     is the machine's peak it predicts from the estimate, not the tensors alone. The peak grows
     with the batch, so a doubling search then a bisection find it in a few dozen evaluations
     of the formulas."""

@@ -106,7 +106,7 @@ class Setup:
     cuda_workspace_bytes: int = 0  # cuBLAS's workspaces on each GPU (cublas_workspace_bytes; 0 on CPU)
     on_cuda: bool = False  # a GPU: the allocator's 512-byte rounding counts (allocator_rounding_bytes), the
     # optimizer step's foreach temporary, a dropout keeps a 1-byte mask and fused attention its output and
-    # log-sum-exp only (multigpu.trace._AliveStorages); False: this CPU's kernels, as traced
+    # log-sum-exp only (model_trace._AliveStorages); False: this CPU's kernels, as traced
     dropout: bool = True  # the model's own dropout (T5 as released: 0.1); False: none, as parity runs train
     attention: str = "sdpa"  # "sdpa" (one fused call) or "eager" (T5 only: its operations one by one)
     backend: str = "nccl"  # "gloo" (CPU): its reduce-scatter works on a copy of the whole input
