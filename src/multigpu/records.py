@@ -106,7 +106,7 @@ def provenance(backend: str, world_size: int, device_type: str, threads_per_work
 
 def _cuda_facts() -> dict:
     """What the memory estimate needs to know of this process's GPU, from torch itself
-    (multigpu.estimate.cublas_workspace_bytes): one cuBLAS workspace's size as this torch
+    (multigpu.estimator.question.cublas_workspace_bytes): one cuBLAS workspace's size as this torch
     chooses it (by architecture, or CUBLAS_WORKSPACE_CONFIG), and the compute capability.
     A torch without `cublas_workspace_size` (before 2.13) leaves the size out: the estimate
     then goes by the capability."""

@@ -45,5 +45,5 @@ AGREES = 0.15
 RESNET_DDP_EPOCH_S = {1: 128.84, 2: 66.5, 4: 37.8}
 
 # the machine of the best-strategy chart the sources cite (by model size and batch): a name of
-# multigpu.hardware.MACHINES
+# multigpu.estimator.machines.MACHINES
 STRATEGY_CHART_MACHINE = "8xa100-nvlink"

@@ -37,7 +37,7 @@ def machine_peak() -> list[RunConfig]:
     """The tracker's peak beside the machine's own (the resident set on a CPU, the caching
     allocator on a GPU) for models of real size in one process, GPT and T5 (as released,
     dropout on): what the estimator's "will it fit" is calibrated with
-    (multigpu.accuracy.machine_calibration)."""
+    (multigpu.estimator.accuracy.machine_calibration)."""
     scale = 4 if on_gpus() else 1
     runs = [RunConfig(model="gpt2", global_batch_size=b * scale, seq_len=256, steps=4, optimizer="adamw",
                       dataset="dummy") for b in (1, 2, 4)]

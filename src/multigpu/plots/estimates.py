@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 from multigpu.memory import CATEGORIES
 from multigpu.plots.style import COLORS, MiB, _figure, _footer, _stacked_bars, style
 
-ESTIMATED_FOOTER = "estimated by multigpu.estimate: ZeRO formulas and activations traced on fake tensors; nothing ran"
+ESTIMATED_FOOTER = "estimated by multigpu.estimator: ZeRO formulas and activations traced on fake tensors; nothing ran"
 
 
 def _estimated_figure(width=6.4, height=3.6):
@@ -35,7 +35,7 @@ def estimate_bars(per_rank: dict, memory_bytes: int | None = None, title="Estima
 
 
 def predicted_vs_measured(rows, records, title="The estimator against every recorded run"):
-    """rows: multigpu.accuracy.against_records; measured peak total against the estimate."""
+    """rows: multigpu.estimator.accuracy.against_records; measured peak total against the estimate."""
     fig, (ax,) = _figure(records)
     for strategy in sorted({r["strategy"] for r in rows}):
         mine = [r for r in rows if r["strategy"] == strategy]
