@@ -115,7 +115,6 @@ class Setup:
     pp: int = 1  # pipeline ranks, with a pp-* strategy (default: what tp leaves); its micro-batches: grad_accum_steps
     sequence_parallel: bool = False  # tensor parallel: the residual stream and LayerNorms cut along the sequence
 
-
     @property
     def grid(self) -> Grid:
         """The rank grid, by the one rule (`multigpu.grid.resolve_grid`): a strategy's own name

@@ -143,7 +143,6 @@ def _model_parallel_share(setup: Setup, rank: int, cost: ActivationCost, full: A
         pipeline_rank=rank if pipeline else None)
 
 
-
 def _tp_block_values(parts: GPTParts, sequence_parallel: bool) -> tuple[int, int]:
     """(kept whole, cut by t): values per token that one block saves for backward, split by
     what a tensor-parallel rank keeps of them. The package's block (fused attention, no
