@@ -104,7 +104,7 @@ BAD_INPUTS = {
     "3D grid that does not tile": (["--strategy", "pp-1f1b", "--world-size", "8", "--tp", "2", "--dp", "3"],
                                    "world size 8 != dp 3 x pp 1 x tp 2 = 6"),
     # pipelines: more stages than blocks, too few micro-batches for the schedule
-    "more stages than blocks": (["--strategy", "pp-1f1b-scratch", "--world-size", "4"],
+    "more stages than blocks": (["--strategy", "pp-1f1b-scratch", "--world-size", "4", "--model", "gpt-tiny"],
                                 "4 stages cannot split gpt-tiny's 2 blocks"),
     "1F1B with m < stages": (["--strategy", "pp-1f1b", "--world-size", "2", "--micro-batches", "1"],
                              "needs at least as many micro-batches as stages"),
