@@ -8,10 +8,16 @@ we ask for agreement within 1e-5 in fp32.
 
 from __future__ import annotations
 
+import atexit
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
-from multigpu.check import BF16_TOLERANCE, check
+from multigpu.check import BF16_TOLERANCE, check, check_series
 from multigpu.config import SHARDED, STRATEGY_TABLE, RunConfig
 from multigpu.launch import launch
 
@@ -37,6 +43,37 @@ def assert_parity(result: dict, strategy: str, world_size: int) -> None:
         assert grid[spans] > 1, grid
 
 
+_results: dict[str, object] = {}
+
+
+def _key(case: tuple, tolerance: float) -> str:
+    return json.dumps([*case, tolerance])
+
+
+def parity(request, case_of, tolerance: float = TOLERANCE) -> dict:
+    """`check` of this test's case, `case_of(**its parameters)` -> (strategy, world_size, overrides).
+    On the first call of a test function, every case of it that this session runs is checked in
+    one series per process count (check.check_series: one torchrun for them all, instead of one
+    each); a case whose run failed raises its own error here."""
+    siblings = [case_of(**item.callspec.params) for item in request.session.items
+                if getattr(item, "originalname", None) == request.node.originalname and hasattr(item, "callspec")]
+    case = case_of(**request.node.callspec.params)
+    if _key(case, tolerance) not in _results:
+        todo = [c for c in dict.fromkeys([case, *siblings], None) if _key(c, tolerance) not in _results]
+        for c, result in zip(todo, check_series([(s, n, json.loads(o)) for s, n, o in todo], steps=STEPS,
+                                                tolerance=tolerance)):
+            _results[_key(c, tolerance)] = result
+    result = _results[_key(case, tolerance)]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def _case(strategy: str, world_size: int, **overrides) -> tuple:
+    """A hashable case: the overrides as JSON."""
+    return strategy, world_size, json.dumps(overrides, sort_keys=True)
+
+
 # DeepSpeed's stage 3 keeps parameters under 100,000 elements whole on every rank, which is
 # every parameter of the test models: make it shard them all, or the test shards nothing
 SHARD_EVERYTHING = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
@@ -46,10 +83,10 @@ SHARD_EVERYTHING = {"zero_optimization": {"stage3_param_persistence_threshold": 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("strategy", ["ddp", "ddp-scratch", "dp", *SHARDED])
-def test_matches_single_device(strategy, world_size):
+def test_matches_single_device(strategy, world_size, request):
     """N processes x (global batch / N) == 1 process x global batch, in fp32."""
-    result = check(strategy, world_size, steps=STEPS, tolerance=TOLERANCE, dtype="fp32", progress=False,
-                   extra=SHARD_EVERYTHING if strategy == "deepspeed-zero3" else {})
+    result = parity(request, lambda strategy, world_size: _case(
+        strategy, world_size, dtype="fp32", extra=SHARD_EVERYTHING if strategy == "deepspeed-zero3" else {}))
     assert_parity(result, strategy, world_size)
 
 
@@ -73,9 +110,9 @@ def test_matches_single_device(strategy, world_size):
     ids=["ddp-accum2", "ddp-scratch-accum2-small-buckets", "dp-accum2", "zero2-accum2", "zero3-accum2",
          "fsdp-accum2", "deepspeed-zero2-accum2"],
 )
-def test_matches_single_device_with_grad_accumulation(strategy, overrides):
+def test_matches_single_device_with_grad_accumulation(strategy, overrides, request):
     """2 micro-batches per rank with no_sync() on the first == one big batch on one process."""
-    result = check(strategy, 2, steps=STEPS, tolerance=TOLERANCE, progress=False, **overrides)
+    result = parity(request, lambda strategy, overrides: _case(strategy, 2, **overrides))
     assert_parity(result, strategy, 2)
 
 
@@ -102,20 +139,20 @@ def test_matches_single_device_with_grad_accumulation(strategy, overrides):
          "zero3-t5", "fsdp1-t5", "deepspeed-zero3-t5", "zero3-checkpointing-adamw", "fsdp-checkpointing-adamw",
          "fsdp-no-reshard"],
 )
-def test_matches_single_device_other_models_and_options(strategy, overrides):
+def test_matches_single_device_other_models_and_options(strategy, overrides, request):
     """T5 (encoder-decoder), activation checkpointing and AdamW change nothing about parity."""
-    result = check(strategy, 2, steps=STEPS, tolerance=TOLERANCE, progress=False, **overrides)
+    result = parity(request, lambda strategy, overrides: _case(strategy, 2, **overrides))
     assert_parity(result, strategy, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "deepspeed-zero2"])
-def test_mixed_precision_fsdp_stays_close_to_single(strategy):
+def test_mixed_precision_fsdp_stays_close_to_single(strategy, request):
     """bf16 compute with fp32 reduction (MixedPrecisionPolicy / MixedPrecision / DeepSpeed's
     torch_autocast with fp32 weights) against one process under bf16 autocast: the same
     arithmetic up to bf16 rounding, so 1e-3, not 1e-5."""
-    result = check(strategy, 2, steps=STEPS, tolerance=BF16_TOLERANCE, dtype="bf16-mixed", progress=False)
+    result = parity(request, lambda strategy: _case(strategy, 2, dtype="bf16-mixed"), BF16_TOLERANCE)
     assert result["passed"], result
     assert result["reference_loss"][-1] < result["reference_loss"][0]
 
@@ -165,22 +202,22 @@ def test_matches_single_device_on_gpus(strategy):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("strategy", ["tp-scratch", "tp"])
-def test_tensor_parallel_matches_single_device(strategy, world_size, sequence_parallel):
+def test_tensor_parallel_matches_single_device(strategy, world_size, sequence_parallel, request):
     """tp ranks, each holding 1/tp of every weight matrix and all seeing the whole batch,
     train like one process: the sums of partial products differ only in their last bits."""
-    result = check(strategy, world_size, steps=STEPS, tolerance=TOLERANCE, progress=False,
-                   extra={"sequence_parallel": sequence_parallel})
+    result = parity(request, lambda strategy, world_size, sequence_parallel: _case(
+        strategy, world_size, extra={"sequence_parallel": sequence_parallel}))
     assert_parity(result, strategy, world_size)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["tp-scratch", "tp"])
-def test_tensor_parallel_with_accumulation_and_checkpointing(strategy):
+def test_tensor_parallel_with_accumulation_and_checkpointing(strategy, request):
     """Two micro-batches, each block recomputed in backward (its collectives issued again),
     sequence parallelism on: still the single device's training."""
-    result = check(strategy, 2, steps=STEPS, tolerance=TOLERANCE, progress=False, grad_accum_steps=2,
-                   activation_checkpointing=True, extra={"sequence_parallel": True})
+    result = parity(request, lambda strategy: _case(strategy, 2, grad_accum_steps=2, activation_checkpointing=True,
+                                                    extra={"sequence_parallel": True}))
     assert_parity(result, strategy, 2)
 
 
@@ -200,30 +237,36 @@ PIPELINES = ["pp-naive", "pp-gpipe-scratch", "pp-1f1b-scratch", "pp-gpipe", "pp-
              "pp-dualpipev"]
 
 
-def _deep_gpt(tmp_path, n_layer: int) -> str:
+_DEEP = Path(tempfile.mkdtemp(prefix="multigpu-test-deep-gpt-"))
+atexit.register(shutil.rmtree, _DEEP, True)
+
+
+def _deep_gpt(n_layer: int) -> str:
     """A gpt2 config.json (the package's GPT) with `n_layer` tiny blocks: enough stages for
     2 per rank on 4 ranks, at gpt-tiny's width."""
-    import json
-
-    path = tmp_path / "config.json"
+    path = _DEEP / f"gpt-{n_layer}-blocks.json"
     path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 128, "n_layer": n_layer, "n_head": 4,
                                 "n_embd": 64, "n_positions": 64}))
     return str(path)
+
+
+def _pipeline_case(strategy: str, world_size: int) -> tuple:
+    stages = world_size * (2 if strategy in ("pp-interleaved", "pp-zbv", "pp-dualpipev") else 1)
+    model = "gpt-tiny" if stages <= 2 else "gpt-mini" if stages <= 4 else _deep_gpt(stages)
+    micro = max(4, stages)
+    return _case(strategy, world_size, model=model, grad_accum_steps=micro,
+                 global_batch_size=micro * 2 if micro > 4 else 8)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("strategy", PIPELINES)
-def test_pipeline_matches_single_device(strategy, world_size, tmp_path):
+def test_pipeline_matches_single_device(strategy, world_size, request):
     """p stages (2 per rank for the interleaved and V schedules), as many micro-batches as
     stages and at least 4, the head tied to the embedding at the other end of the pipeline
     (its gradient summed between the first and last stage): one device's training."""
-    stages = world_size * (2 if strategy in ("pp-interleaved", "pp-zbv", "pp-dualpipev") else 1)
-    model = "gpt-tiny" if stages <= 2 else "gpt-mini" if stages <= 4 else _deep_gpt(tmp_path, stages)
-    micro = max(4, stages)
-    result = check(strategy, world_size, steps=STEPS, tolerance=TOLERANCE, progress=False, model=model,
-                   grad_accum_steps=micro, global_batch_size=micro * 2 if micro > 4 else 8)
+    result = parity(request, _pipeline_case)
     assert_parity(result, strategy, world_size)
 
 
@@ -247,10 +290,10 @@ COMPOSITIONS = [
 @pytest.mark.parametrize("strategy, world_size, overrides", COMPOSITIONS,
                          ids=["fsdp-tp", "fsdp-tp-sp", "hsdp", "ddp-scratch-tp-sp", "pp-tp", "pp-fsdp", "pp-zbv-tp",
                               "pp-fsdp-tp-3d-checkpointing"])
-def test_compositions_match_single_device(strategy, world_size, overrides):
+def test_compositions_match_single_device(strategy, world_size, overrides, request):
     """dp x pp x tp ranks (gradients averaged over dp, summed partial products over tp,
     activations passed between stages) train like one process on the whole batch."""
-    result = check(strategy, world_size, steps=STEPS, tolerance=TOLERANCE, progress=False, **overrides)
+    result = parity(request, lambda strategy, world_size, overrides: _case(strategy, world_size, **overrides))
     assert_parity(result, strategy, world_size)
 
 
@@ -293,3 +336,16 @@ def test_one_reference_serves_every_check_of_the_same_config(monkeypatch):
     check_module.check("ddp", 2, steps=2, model="gpt-mini")
     assert started[3:] == [("ddp", 1, "gpt-tiny"), ("single", 1, "gpt-tiny"), ("ddp", 0, "gpt-mini"),
                            ("single", 0, "gpt-mini")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_series_gives_each_case_its_own_verdict():
+    """One torchrun runs a series of parity checks; a run that fails part-way fails its own case
+    only: the runs before it keep their verdicts, and the case is checked again on its own, so
+    its error is its own (here: its reference, which the same fault stops too)."""
+    from multigpu.launch import LaunchError
+
+    results = check_series([("ddp", 2, {}), ("ddp", 2, {"fault": "raise@0:1"})], steps=STEPS)
+    assert results[0]["passed"] is True
+    assert isinstance(results[1], LaunchError) and "injected fault on rank 0 at step 1" in str(results[1])

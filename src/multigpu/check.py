@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from multigpu.config import ConfigError, RunConfig
-from multigpu.launch import launch
+from multigpu.launch import LaunchError, launch, launch_series
 from multigpu.runtime import device_plan
 
 # how close a bf16-mixed run must stay to one device under the same autocast: the same arithmetic
@@ -51,10 +51,9 @@ def reference_run(reference: RunConfig, progress: bool | None = False) -> tuple[
     return _references[key]
 
 
-def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 1e-5,
-          progress: bool | None = False, **overrides) -> dict:
-    """Return {'strategy', 'world_size', 'steps', 'max_abs_param_diff',
-    'max_abs_loss_diff', 'tolerance', 'passed'}. `overrides` go to both RunConfigs."""
+def parity_configs(strategy: str, world_size: int, steps: int = 3, **overrides) -> tuple[RunConfig, RunConfig]:
+    """The strategy's run and its one-device reference: the same model, seed, global batches and
+    steps (`overrides` go to both), on the same kind of device."""
     base = dict(model="gpt-tiny", global_batch_size=8, steps=steps, optimizer="sgd-momentum",
                 lr=0.05, dataset="synthetic", track_memory=False)
     base.update(overrides)
@@ -66,24 +65,75 @@ def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 
     except ValueError as err:
         raise ConfigError(str(err)) from None
     cfg = cfg.replace(device=device)
-    reference = cfg.replace(strategy="single", world_size=1, tp=1, pp=1, dp=None, grad_accum_steps=1, extra={})
-    ours_loss, ours_params, ours = _trained(cfg, progress)
-    ref_loss, ref_params, _ = reference_run(reference, progress)
+    return cfg, cfg.replace(strategy="single", world_size=1, tp=1, pp=1, dp=None, grad_accum_steps=1, extra={})
+
+
+def compare(cfg: RunConfig, ours: tuple[list[float], dict, dict], reference: tuple[list[float], dict, dict],
+            tolerance: float) -> dict:
+    """The verdict: the largest differences of the trained weights and of the per-step losses."""
+    (ours_loss, ours_params, record), (ref_loss, ref_params, _) = ours, reference
     if ours_params.keys() != ref_params.keys():
-        raise RuntimeError(f"{strategy} returned parameters {sorted(set(ours_params) ^ set(ref_params))} "
+        raise RuntimeError(f"{cfg.strategy} returned parameters {sorted(set(ours_params) ^ set(ref_params))} "
                            "that the single-device model does not have (or lacks them)")
     param_diff = max((ours_params[k].float() - ref_params[k].float()).abs().max().item() for k in ref_params)
     loss_diff = max(abs(a - b) for a, b in zip(ours_loss, ref_loss))
     return {
-        "strategy": strategy,
-        "world_size": world_size,
-        "steps": steps,
+        "strategy": cfg.strategy,
+        "world_size": cfg.world_size,
+        "steps": cfg.steps,
         "max_abs_param_diff": param_diff,
         "max_abs_loss_diff": loss_diff,
         "tolerance": tolerance,
-        "device": ours.get("provenance", {}).get("device_type"),  # where it ran (the reference: the same kind)
-        "grid": ours["grid"],  # the rank grid its record states
+        "device": record.get("provenance", {}).get("device_type"),  # where it ran (the reference: the same kind)
+        "grid": record["grid"],  # the rank grid its record states
         "passed": param_diff <= tolerance and loss_diff <= tolerance,
         "loss": ours_loss,
         "reference_loss": ref_loss,
     }
+
+
+def check(strategy: str, world_size: int, *, steps: int = 3, tolerance: float = 1e-5,
+          progress: bool | None = False, **overrides) -> dict:
+    """Return {'strategy', 'world_size', 'steps', 'max_abs_param_diff',
+    'max_abs_loss_diff', 'tolerance', 'passed', ...}. `overrides` go to both RunConfigs."""
+    cfg, reference = parity_configs(strategy, world_size, steps, **overrides)
+    return compare(cfg, _trained(cfg, progress), reference_run(reference, progress), tolerance)
+
+
+def check_series(cases: list[tuple[str, int, dict]], *, steps: int = 3, tolerance: float = 1e-5) -> list:
+    """`check` of many (strategy, world_size, overrides) cases, each run of the same number of
+    processes in one series (launch.launch_series: one torchrun for them all), the references
+    likewise. Returns, per case, its result, or the exception `check` raises for it alone: a
+    series that fails part-way gives the runs it finished, and every case after it is checked
+    on its own, so that each failure is its own case's."""
+    configs = [parity_configs(strategy, n, steps, **overrides) for strategy, n, overrides in cases]
+    references = {ref.to_json(): ref for _, ref in configs if ref.to_json() not in _references}
+    for key, trained in zip(references, _run_series(list(references.values()))):
+        _references[key] = trained
+    while len(_references) > max(KEPT_REFERENCES, len(references)):
+        _references.popitem(last=False)
+    ours: dict[int, tuple] = {}
+    for processes in sorted({cfg.processes for cfg, _ in configs}):
+        indices = [i for i, (cfg, _) in enumerate(configs) if cfg.processes == processes]
+        ours.update(zip(indices, _run_series([configs[i][0] for i in indices])))
+    results = []
+    for i, ((cfg, reference), (strategy, n, overrides)) in enumerate(zip(configs, cases)):
+        try:
+            results.append(compare(cfg, ours[i], reference_run(reference), tolerance) if i in ours
+                           else check(strategy, n, steps=steps, tolerance=tolerance, **overrides))
+        except Exception as err:  # the case's own failure, for its test to raise
+            results.append(err)
+    return results
+
+
+def _run_series(cfgs: list[RunConfig]) -> list[tuple[list[float], dict, dict]]:
+    """(losses, trained weights, record) of each run of `cfgs`, run as one series; after a
+    failure, of the runs before it only (the rest are left to `check`, one by one)."""
+    if not cfgs:
+        return []
+    with tempfile.TemporaryDirectory(prefix="multigpu-check-") as tmp:
+        try:
+            records = launch_series(cfgs, params_dir=Path(tmp))
+        except LaunchError as err:
+            records = err.records
+        return [(record["loss"], torch.load(Path(tmp, f"run{i}.pt")), record) for i, record in enumerate(records)]

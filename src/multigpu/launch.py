@@ -37,7 +37,10 @@ _announced: set[str] = set()
 
 
 class LaunchError(RuntimeError):
-    """The run could not produce a record; the message says why and what to do."""
+    """The run could not produce a record; the message says why and what to do. (A series:
+    `records` holds those of the runs that finished before the one that failed.)"""
+
+    records: list = []
 
 
 def _say_once(message: str) -> None:
@@ -175,6 +178,52 @@ def launch(
         return _run(cfg, device, rendezvous, out_dir, timeout_s=timeout_s, progress=progress,
                     params_path=params_path, verbose=verbose, nnodes=nnodes, endpoint=rdzv_endpoint,
                     visible_gpus=plan.visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def launch_series(cfgs: list[RunConfig], *, timeout_s: float = 900, params_dir: Path | None = None) -> list[dict]:
+    """Run several configs one after another in the same worker processes: one torchrun and one
+    process group for all, each run training its own model from its own seed, into its own
+    record. The parity tests run dozens of small runs; starting torchrun and importing torch
+    again for each cost more than the runs. One machine; every config starts the same number of
+    processes on the same device. params_dir: also save each run's trained weights there, as
+    run<i>.pt. A failing run raises LaunchError, whose `records` are the runs before it."""
+    from multigpu.runtime import device_plan
+
+    if not cfgs:
+        return []
+    for cfg in cfgs:
+        cfg.validate()
+    plans = {(cfg.processes, device_plan(cfg).device) for cfg in cfgs}
+    if len(plans) > 1:
+        raise ConfigError(f"a series runs in one set of processes: its configs start {sorted(plans)} "
+                          "(processes, device); launch them in separate series")
+    (processes, device), = plans
+    out_dir = Path(tempfile.mkdtemp(prefix="multigpu-series-"))
+    try:
+        (out_dir / "config.json").write_text(json.dumps([cfg.to_dict() for cfg in cfgs]))
+        args = ["-m", "multigpu.worker", "--config", str(out_dir / "config.json"), "--out", str(out_dir),
+                "--device", device, *(["--save-params"] if params_dir is not None else [])]
+        threads = cfgs[0].threads_per_worker or threads_per_process(processes)
+        rc, tail = run_torchrun(args, processes=processes, rendezvous=["--standalone"], threads=threads,
+                                timeout_s=timeout_s, progress=False, bar=(0, "series"),
+                                timeout_hint=f"raise timeout_s or run fewer configs ({len(cfgs)}) in one series")
+        done = []
+        for i in range(len(cfgs)):  # the runs that finished, in order, with their weights
+            run = out_dir / f"run{i}"
+            if not (run / "record.json").exists():
+                break
+            done.append(json.loads((run / "record.json").read_text()))
+            if params_dir is not None:
+                shutil.move(run / "params.pt", Path(params_dir) / f"run{i}.pt")
+        if rc != 0 or len(done) < len(cfgs):
+            failed = cfgs[len(done)]
+            error = LaunchError(f"run {len(done) + 1} of {len(cfgs)} in the series ({failed.strategy} on "
+                                f"{failed.world_size}) failed: " + _failure_message(out_dir, rc, tail))
+            error.records = done
+            raise error
+        return done
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
 

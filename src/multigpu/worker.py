@@ -119,7 +119,9 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def main(argv=None) -> NoReturn:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", required=True, type=Path)
+    parser.add_argument("--config", required=True, type=Path,
+                        help="a RunConfig as JSON; or a list of them: a series, run one after another by the "
+                             "same processes, each into its own folder OUT/run<i> (launch.launch_series)")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--save-params", action="store_true", help="rank 0 writes params.pt")
@@ -129,20 +131,26 @@ def main(argv=None) -> NoReturn:
     def body(rank: int) -> None:
         from multigpu.train import train
 
-        cfg = RunConfig.from_dict(json.loads(args.config.read_text()))
+        given = json.loads(args.config.read_text())
+        series = given if isinstance(given, list) else [given]
         guarded = device_guard.install_if_asked()  # the test suite checks the device rule in every run
         rt = runtime.init(args.device)
-        result = train(cfg, rt, keep_params=args.save_params)
-        state_dict = result.pop("state_dict")
-        gathered = [None] * rt.world_size
-        dist.all_gather_object(gathered, result)
-        if rt.local_rank == 0:  # every node's launcher gets the record (all ranks have every result)
-            if args.save_params:
-                torch.save(state_dict, args.out / "params.pt")
-            record = build_record(cfg, rt, gathered)
-            record["device_rule_checked"] = guarded  # every collective's tensor was on the rank's device
-            write_atomic(args.out / "record.json", json.dumps(record).encode())
-        dist.barrier()
+        for i, data in enumerate(series):
+            out = args.out / f"run{i}" if isinstance(given, list) else args.out
+            out.mkdir(exist_ok=True)
+            cfg = RunConfig.from_dict(data)
+            result = train(cfg, rt, keep_params=args.save_params)
+            state_dict = result.pop("state_dict")
+            gathered = [None] * rt.world_size
+            dist.all_gather_object(gathered, result)
+            if rt.local_rank == 0:  # every node's launcher gets the record (all ranks have every result)
+                if args.save_params:
+                    torch.save(state_dict, out / "params.pt")
+                record = build_record(cfg, rt, gathered)
+                record["device_rule_checked"] = guarded  # every collective's tensor was on the rank's device
+                write_atomic(out / "record.json", json.dumps(record).encode())
+            del result, state_dict, gathered
+            dist.barrier()
 
     run_worker(args.out, body)
 
