@@ -1,7 +1,7 @@
 """Strategies: how a model is spread over processes and how its gradients meet.
 
 Each strategy is one file with a `prepare(model, cfg, rt) -> Parallelized` function; which
-file serves which name is the strategy table (`multigpu.config.STRATEGY_TABLE`). The shared
+file serves which name is the strategy table (`multigpu.strategy_table.STRATEGY_TABLE`). The shared
 training loop (multigpu.train) times and measures a step function around what
 `Parallelized` offers, so every strategy is trained, timed and measured by the same code.
 """
