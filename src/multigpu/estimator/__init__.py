@@ -8,8 +8,11 @@ built on them.
 - `share`: what one rank holds of the model under tensor and pipeline parallelism;
 - `peak`: a step's peak per rank, phase by phase (`estimate`), and the largest batch that fits;
 - `machines` and `step_time`: machines as numbers, and a step's time on them;
+- `formulas`: the closed forms the chapters reason with (a bubble, a strategy's payloads);
 - `advise`: which strategy, by the sources' guide and by these numbers;
 - `accuracy`: the estimates beside the records, and the machine's own peak calibrated on them;
+- `fits`: whether a run about to launch fits in this machine's free memory;
+- `cli`: the `estimate` and `advise` commands;
 - `calculator`: the estimator's answers precomputed for the static site.
 
 The question's and the peak's main names are here (`from multigpu.estimator import Setup,
