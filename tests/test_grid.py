@@ -121,3 +121,8 @@ def test_every_committed_run_record_states_its_grid(committed_records):
             if (c.get(d) or 1) > 1:
                 assert grid[d] == c[d], (c["strategy"], d, grid)
         assert grid == RunConfig.from_dict(c).grid.as_dict()
+
+
+def test_one_device_takes_no_degree():
+    assert "strategy 'single' does not combine with tp (tp=2)" in refused(strategy="single", world_size=1, tp=2)
+    assert "does not take dp=2" in refused(strategy="single", world_size=1, dp=2)

@@ -64,8 +64,6 @@ def resolve_grid(strategy: str, world_size: int, *, tp: int = 1, pp: int = 1, dp
     _whole("pp", pp)
     _whole("dp", dp, allow_none=True)
     info = STRATEGY_TABLE[strategy]
-    if info.spans == "none":
-        return Grid()
     given = {"tp": tp, "pp": pp}
     unknown = [d for d in ("tp", "pp") if given[d] > 1 and d != info.spans and d not in info.combines]
     if unknown:
@@ -73,6 +71,10 @@ def resolve_grid(strategy: str, world_size: int, *, tp: int = 1, pp: int = 1, dp
         raise ConfigError(f"strategy {strategy!r} does not combine with {' and '.join(unknown)} "
                           f"({' '.join(f'{d}={given[d]}' for d in unknown)}); it takes {can}. "
                           f"For {'; for '.join(_ALONE[d] for d in unknown)}")
+    if info.spans == "none":  # one device: no grid to tile (validate asks for world_size 1)
+        if dp not in (None, 1):
+            raise ConfigError(f"strategy {strategy!r} runs on one device: it does not take dp={dp}")
+        return Grid()
     if info.spans == "dp":
         others = tp * pp
         if dp is None and world_size % others:

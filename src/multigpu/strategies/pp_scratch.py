@@ -35,7 +35,7 @@ summed in the order one device running the same micro-batches sums it.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -76,10 +76,12 @@ class ActionClock:
         self._origin = None
         self._marks: list[tuple[dict, object, object]] = []  # (fields, start mark, end mark), in order
         self._events: list[dict] | None = []
+        self.in_flight = self.peak_in_flight = 0  # micro-batches whose forward ran and backward not yet
 
     def start_step(self) -> None:
         """A new step: the last one's log is dropped, and time counts from here."""
         self._marks, self._events = [], None
+        self.in_flight = self.peak_in_flight = 0
         self.start_unix = time.time()
         self._origin = self.now()
 
@@ -94,6 +96,17 @@ class ActionClock:
     def log(self, start, **fields) -> None:
         """An action (`fields`: its stage, action, micro-batch) from the mark `start` to now."""
         self._marks.append((fields, start, self.now()))
+
+    @contextmanager
+    def box(self, stage: int, action: str, micro: int):
+        """`with clock.box(stage, "F", i):` logs what runs inside as one action; a forward adds a
+        micro-batch in flight (its activations kept), a backward takes it away. `peak_in_flight`:
+        the most at once in this step."""
+        start = self.now()
+        yield
+        self.log(start, stage=stage, action=action, micro=micro)
+        self.in_flight += {"F": 1, "B": -1}.get(action, 0)
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     @property
     def events(self) -> list[dict]:
@@ -219,7 +232,6 @@ class Pipeline:
         # the residual stream is fp32 anyway (fp32 embedding + bf16 branch promotes to fp32),
         # and the cast below makes sure a receiver's buffer always has the sender's dtype
         self.dtype = next(model.parameters()).dtype
-        self.peak_in_flight = 0  # most micro-batches whose forward ran and backward not yet, last step
         self._clock: ActionClock | None = None  # the last step's log
 
     @property
@@ -230,6 +242,11 @@ class Pipeline:
     @property
     def clock(self) -> str | None:
         return self._clock.clock if self._clock else None
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most micro-batches whose forward ran and backward not yet, in the last step."""
+        return self._clock.peak_in_flight if self._clock else 0
 
     @property
     def step_start_unix(self) -> float | None:
@@ -255,40 +272,34 @@ class Pipeline:
         arrived = {}  # (action, micro) -> the activation or gradient it needs, already received
         # in float64, one addition at a time, as the shared loop sums (strategies.micro_batch_step)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device) if self.last else 0.0
-        in_flight, peak = 0, 0
         actions = self.schedule(self.stage, self.p, m)
         for k, (action, i) in enumerate(actions):
             if action == "F":
                 if not self.first and ("F", i) not in arrived:
                     arrived["F", i] = link.recv_forward(i)
                 before_forward(i)
-                start = clock.now()
-                if self.first:
-                    kwargs = {"input_ids": micro_batches[i]["input_ids"]}
-                else:  # a leaf that wants a gradient: its .grad is what we send back
-                    inputs[i] = arrived.pop(("F", i)).requires_grad_()
-                    kwargs = {"hidden": inputs[i]}
-                with autocast:
-                    if self.last:
-                        out = self.model(**kwargs, labels=micro_batches[i]["labels"]) / m
-                        loss_sum = loss_sum + out.detach().double()
-                    else:
-                        out = self.model(**kwargs).to(self.dtype)  # (micro_batch, seq, d_model)
-                outputs[i] = out
-                clock.log(start, stage=self.stage, action="F", micro=i)
-                in_flight += 1
-                peak = max(peak, in_flight)
+                with clock.box(self.stage, "F", i):
+                    if self.first:
+                        kwargs = {"input_ids": micro_batches[i]["input_ids"]}
+                    else:  # a leaf that wants a gradient: its .grad is what we send back
+                        inputs[i] = arrived.pop(("F", i)).requires_grad_()
+                        kwargs = {"hidden": inputs[i]}
+                    with autocast:
+                        if self.last:
+                            out = self.model(**kwargs, labels=micro_batches[i]["labels"]) / m
+                            loss_sum = loss_sum + out.detach().double()
+                        else:
+                            out = self.model(**kwargs).to(self.dtype)  # (micro_batch, seq, d_model)
+                    outputs[i] = out
             else:
                 if not self.last and ("B", i) not in arrived:
                     arrived["B", i] = link.recv_backward(i)
-                start = clock.now()
-                out = outputs.pop(i)
-                # backward from this stage's output, seeded by the gradient the next stage sent
-                # (picotron's backward(); the last stage's output is the loss: no seed)
-                torch.autograd.backward(out, grad_tensors=None if self.last else arrived.pop(("B", i)))
-                input_grad = None if self.first else inputs.pop(i).grad
-                clock.log(start, stage=self.stage, action="B", micro=i)
-                in_flight -= 1  # this micro-batch's activations are freed now
+                with clock.box(self.stage, "B", i):  # this micro-batch's activations are freed after it
+                    out = outputs.pop(i)
+                    # backward from this stage's output, seeded by the gradient the next stage sent
+                    # (picotron's backward(); the last stage's output is the loss: no seed)
+                    torch.autograd.backward(out, grad_tensors=None if self.last else arrived.pop(("B", i)))
+                    input_grad = None if self.first else inputs.pop(i).grad
             # Send what the action made, together with what the next action must receive when
             # that comes from the same neighbour: the fused pair of the class docstring
             after = actions[k + 1] if k + 1 < len(actions) else None
@@ -302,7 +313,6 @@ class Pipeline:
                     arrived[after] = link.send_backward_recv_forward(input_grad, i)
                 else:
                     link.send_backward(input_grad, i)
-        self.peak_in_flight = peak
         return loss_sum
 
 
