@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import warnings
-from functools import cache
 
 import pytest
 import torch
@@ -26,20 +25,30 @@ from multigpu.config import RunConfig
 from multigpu.launch import launch
 from multigpu.models import build_model, parameter_count
 from multigpu.strategies import build_optimizer
+from series import RunCache
 
 P = parameter_count("gpt-tiny")
 
 
+def _config(strategy: str, world_size: int = 1, optimizer: str = "sgd", bucket_cap_mb: float = 25.0) -> RunConfig:
+    return RunConfig(strategy=strategy, world_size=world_size, model="gpt-tiny", dtype="fp32", steps=3,
+                     optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
+
+
+def _planned() -> list[RunConfig]:
+    """Every setting the tests below read: run as series, one per process count (tests/series.py)."""
+    return [*(_config("single", optimizer=o) for o in ("sgd", "sgd-momentum", "adam", "adamw")),
+            *(_config(s, 2, bucket_cap_mb=b) for s, b in DATA_PARALLEL),
+            *(_config(s, n, optimizer="adamw") for n in (2, 4) for s in ZERO_FORMULA),
+            *(_config(s, n) for n in (2, 4) for s in ZERO_FORMULA)]
+
+
+_runs = RunCache(_planned)
+
+
 def record(strategy: str, world_size: int = 1, optimizer: str = "sgd", bucket_cap_mb: float = 25.0) -> dict:
     """One launched run per distinct setting, shared by the tests of this module."""
-    return _record(strategy, world_size, optimizer, bucket_cap_mb)
-
-
-@cache
-def _record(strategy, world_size, optimizer, bucket_cap_mb) -> dict:
-    cfg = RunConfig(strategy=strategy, world_size=world_size, model="gpt-tiny", dtype="fp32", steps=3,
-                    optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
-    return launch(cfg, progress=False)
+    return _runs(_config(strategy, world_size, optimizer, bucket_cap_mb))
 
 
 def torch_optimizer_state_bytes(optimizer: str) -> int:
