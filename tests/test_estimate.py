@@ -174,6 +174,7 @@ def test_unsupported_config_and_count_only_activations_are_explained(tmp_path):
 from multigpu.estimator.peak import estimate, model_states, predict_largest_batch  # noqa: E402
 from multigpu.estimator.question import Setup  # noqa: E402
 from multigpu.estimator.share import rank_shares  # noqa: E402
+from series import RunCache  # noqa: E402
 from test_cli import only_json_line, run_cli  # noqa: E402
 from test_measurements import ZERO_TABLE_1  # noqa: E402
 
@@ -217,10 +218,10 @@ def test_a_named_gpu_is_its_memory_less_the_cuda_context():
     cuBLAS's workspaces and the allocator's rounding; a bare --gpu-memory is all usable."""
     from multigpu.estimator.question import allocator_rounding_bytes, cublas_workspace_bytes
 
-    def other(*args, batch=("--batch-size", "8")):
-        result = run_cli("estimate", "--model", "gpt-small", "--seq-len", "128", *batch, "--json", *args)
-        assert result.returncode == 0, result.stderr
-        out = only_json_line(result.stdout)
+    def other(*args, batch=("--batch-size", "8")):  # in this process: test_estimate_cli_answers_in_json runs one
+        code, out, err = in_process("estimate", "--model", "gpt-small", "--seq-len", "128", *batch, "--json", *args)
+        assert code == 0, err
+        out = only_json_line(out)
         return out.get("max_batch_size"), out["per_rank_bytes"]["other"]
 
     gpu_extra = cublas_workspace_bytes("v100-16gb") + allocator_rounding_bytes(Setup("gpt-small", on_cuda=True))
@@ -255,9 +256,26 @@ def test_estimate_cli_answers_in_json():
     (["--model", "gpt-tiny", "--batch-size", "2"], "--seq-len 64 or less"),  # the default 256 tokens
 ])
 def test_estimate_cli_explains_bad_input(args, says):
-    result = run_cli("estimate", *args)
-    assert result.returncode == 2 and says in result.stderr, (result.returncode, result.stderr)
-    assert "Traceback" not in result.stderr
+    code, out, err = in_process("estimate", *args)
+    assert code == 2 and says in err and err.startswith("error: ") and len(err.splitlines()) == 1, (code, err)
+    assert out == ""
+
+
+def in_process(*args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `python -m multigpu ARGS` run by its `main` in this process
+    (what the process runs, without starting Python and importing torch again)."""
+    import contextlib
+    import io
+
+    from multigpu.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's own refusals
+            code = exit.code
+    return code, out.getvalue(), err.getvalue()
 
 
 def _recorded_runs():
@@ -291,14 +309,17 @@ HELD_OUT = [
 ]
 
 
+# the held-out runs as series, one per process count (tests/series.py): peaks by the tracker, per run
+_held_out = RunCache(lambda: [RunConfig(steps=3, dataset="dummy", **changes) for changes in HELD_OUT])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("changes", HELD_OUT, ids=lambda c: f"{c['model']}-{c['strategy']}-{c['world_size']}")
 def test_estimated_peak_agrees_with_fresh_runs_it_was_not_fitted_to(changes):
     from multigpu.estimator.accuracy import against_records
-    from multigpu.launch import launch
 
-    record = launch(RunConfig(steps=3, dataset="dummy", **changes), progress=False)
+    record = _held_out(RunConfig(steps=3, dataset="dummy", **changes))
     [row] = against_records([record])
     assert abs(row["total_error"]) <= TOTAL_TOLERANCE, (row["estimated"], row["measured"], row["phase"])
 
