@@ -20,7 +20,7 @@ from multigpu.estimator.model_trace import gpt_parts, model_shape
 from multigpu.estimator.peak import estimate
 from multigpu.estimator.question import PIPELINES, Setup
 from multigpu.estimator.step_time import group_link, step_time
-from test_cli import run_cli
+from test_cli import in_process
 
 GIB = 2**30
 BATCH = 256  # samples of 2048 tokens per step: half a million tokens
@@ -266,9 +266,9 @@ def test_a_batch_no_grid_can_split_is_explained():
 
 
 def test_advise_cli_explains_bad_input():
-    result = run_cli("advise", "--model", "gpt-small", "--gpus", "3", "--nodes", "2", "--gpu-memory", "1GiB")
+    result = in_process("advise", "--model", "gpt-small", "--gpus", "3", "--nodes", "2", "--gpu-memory", "1GiB")
     assert result.returncode == 2 and "multiple of --nodes" in result.stderr
-    result = run_cli("advise", "--model", "gpt-small", "--gpus", "2")
+    result = in_process("advise", "--model", "gpt-small", "--gpus", "2")
     assert result.returncode == 2 and "--gpu-memory" in result.stderr
 
 
@@ -281,13 +281,13 @@ def test_degrees_follow_the_package_grid():
 
 def test_advise_cli_refuses_a_device_smaller_than_a_cuda_context():
     """1 KiB was answered with "does not train on one 0 MiB GPU" and a recommendation."""
-    result = run_cli("advise", "--model", "t5-3b", "--gpus", "4", "--gpu-memory", "1KiB")
+    result = in_process("advise", "--model", "t5-3b", "--gpus", "4", "--gpu-memory", "1KiB")
     assert result.returncode == 2
     assert result.stderr.startswith("error: a device of 1,024 bytes cannot train anything")
 
 
 def test_advise_cli_names_a_runnable_plan_and_the_machine():
-    result = run_cli("advise", "--model", "gpt2-medium", "--machine", "8xh100-nvlink", "--global-batch", "256",
+    result = in_process("advise", "--model", "gpt2-medium", "--machine", "8xh100-nvlink", "--global-batch", "256",
                      "--seq-len", "256")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

@@ -92,20 +92,21 @@ def test_a_calibration_can_only_lower_the_largest_batch():
 
 
 def test_the_command_line_says_which_calibration_it_applied():
-    from test_cli import only_json_line, run_cli
+    from test_cli import in_process, only_json_line
 
     fit = machine_calibration("cpu", "t5")
     if fit is None:
         pytest.skip(f"no {CALIBRATED_BY} records of a CPU are committed")
     args = ("estimate", "--model", "t5-small", "--strategy", "single", "--seq-len", "64", "--optimizer",
             "sgd-momentum", "--gpu-memory", "4GiB", "--max-batch")
-    calibrated, raw = (only_json_line(run_cli(*args, *extra, "--json").stdout) for extra in ((), ("--uncalibrated",)))
+    calibrated, raw = (only_json_line(in_process(*args, *extra, "--json").stdout)
+                       for extra in ((), ("--uncalibrated",)))
     assert calibrated["calibration"] == fit.describe() and calibrated["machine_bytes"] <= 4 * GIB
     assert calibrated["max_batch_size"] < raw["max_batch_size"]
-    text = run_cli(*args).stdout
+    text = in_process(*args).stdout
     assert "the machine's own peak, calibrated" in text and "T5 runs of machine_peak" in text
     # a GPU's: no records of one here, and it says so
-    gpu = run_cli("estimate", "--model", "t5-small", "--gpu", "v100-32gb", "--batch-size", "2").stdout
+    gpu = in_process("estimate", "--model", "t5-small", "--gpu", "v100-32gb", "--batch-size", "2").stdout
     assert "no cuda machine's own peak is recorded here" in gpu
 
 
@@ -114,7 +115,7 @@ def test_the_command_line_says_which_calibration_it_applied():
     (["--model", "t5-small", "--gpu", "v100-32gb", "--device", "cpu"], "drop one of them"),
 ])
 def test_the_device_and_attention_options_are_checked(args, says):
-    from test_cli import run_cli
+    from test_cli import in_process
 
-    result = run_cli("estimate", *args, "--batch-size", "2")
+    result = in_process("estimate", *args, "--batch-size", "2")
     assert result.returncode != 0 and says in result.stderr, result.stderr

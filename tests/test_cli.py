@@ -28,6 +28,22 @@ def run_cli(*args: str, timeout: float = 180, **env_vars: str) -> subprocess.Com
                           env=env, timeout=timeout)
 
 
+def in_process(*args: str) -> subprocess.CompletedProcess:
+    """`python -m multigpu ARGS` run by its `main` in this process: what the process runs, without
+    starting Python and importing torch again (the tests that start real processes show that
+    the process adds nothing: one error line, the exit code, JSON on stdout)."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exit:  # argparse's own refusals
+            code = exit.code
+    return subprocess.CompletedProcess(["python", "-m", "multigpu", *args], code, out.getvalue(), err.getvalue())
+
+
 def only_json_line(stdout: str) -> dict:
     lines = stdout.splitlines()
     assert len(lines) == 1, stdout

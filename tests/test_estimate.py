@@ -175,7 +175,7 @@ from multigpu.estimator.peak import estimate, model_states, predict_largest_batc
 from multigpu.estimator.question import Setup  # noqa: E402
 from multigpu.estimator.share import rank_shares  # noqa: E402
 from series import RunCache  # noqa: E402
-from test_cli import only_json_line, run_cli  # noqa: E402
+from test_cli import in_process, only_json_line, run_cli  # noqa: E402
 from test_measurements import ZERO_TABLE_1  # noqa: E402
 
 
@@ -219,9 +219,9 @@ def test_a_named_gpu_is_its_memory_less_the_cuda_context():
     from multigpu.estimator.question import allocator_rounding_bytes, cublas_workspace_bytes
 
     def other(*args, batch=("--batch-size", "8")):  # in this process: test_estimate_cli_answers_in_json runs one
-        code, out, err = in_process("estimate", "--model", "gpt-small", "--seq-len", "128", *batch, "--json", *args)
-        assert code == 0, err
-        out = only_json_line(out)
+        result = in_process("estimate", "--model", "gpt-small", "--seq-len", "128", *batch, "--json", *args)
+        assert result.returncode == 0, result.stderr
+        out = only_json_line(result.stdout)
         return out.get("max_batch_size"), out["per_rank_bytes"]["other"]
 
     gpu_extra = cublas_workspace_bytes("v100-16gb") + allocator_rounding_bytes(Setup("gpt-small", on_cuda=True))
@@ -256,26 +256,10 @@ def test_estimate_cli_answers_in_json():
     (["--model", "gpt-tiny", "--batch-size", "2"], "--seq-len 64 or less"),  # the default 256 tokens
 ])
 def test_estimate_cli_explains_bad_input(args, says):
-    code, out, err = in_process("estimate", *args)
+    result = in_process("estimate", *args)
+    code, err = result.returncode, result.stderr
     assert code == 2 and says in err and err.startswith("error: ") and len(err.splitlines()) == 1, (code, err)
-    assert out == ""
-
-
-def in_process(*args: str) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `python -m multigpu ARGS` run by its `main` in this process
-    (what the process runs, without starting Python and importing torch again)."""
-    import contextlib
-    import io
-
-    from multigpu.__main__ import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exit:  # argparse's own refusals
-            code = exit.code
-    return code, out.getvalue(), err.getvalue()
+    assert result.stdout == ""
 
 
 def _recorded_runs():
