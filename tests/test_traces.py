@@ -5,9 +5,9 @@ than two shards of gradients."""
 
 import pytest
 
+from multigpu.experiments.step_traces import held_bytes, union
 from multigpu.memory import zero_model_states
 from multigpu.spmd import run_spmd
-from multigpu.experiments.step_traces import held_bytes, union
 
 
 @pytest.fixture(scope="module")
