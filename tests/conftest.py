@@ -73,6 +73,16 @@ def spmd_bodies_importable():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def traces_kept_for_the_session(tmp_path_factory):
+    """The estimator's fake-tensor traces (estimator.model_trace) on disk for this session: a
+    chapter executed once per fake GPU server, each time in a new kernel, traces each model
+    once, not once per kernel. A new folder per session: nothing is carried between runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MULTIGPU_TRACE_CACHE", str(tmp_path_factory.mktemp("traces")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_asked(monkeypatch):
     """device="auto" picks the CPU in every test, and in every process a test starts (workers,

@@ -540,3 +540,18 @@ def test_the_optimizer_steps_temporary_is_what_torchs_adamw_allocates():
     # ZeRO-1: the moments and the temporary are shards
     sharded = estimate(replace(setup, strategy="zero1"), 8)
     assert sharded.per_rank_bytes["optimizer"] <= 3 * psi / 8 + 8
+
+
+def test_a_trace_kept_on_disk_is_the_trace(tmp_path, monkeypatch):
+    """MULTIGPU_TRACE_CACHE keeps a trace for the next process: read back, it equals a fresh one,
+    and another argument is another trace."""
+    from multigpu.estimator import model_trace
+
+    monkeypatch.setenv("MULTIGPU_TRACE_CACHE", str(tmp_path))
+    args = ("gpt-tiny", 32, None, "fp32", False, False, True, "sdpa")
+    fresh = model_trace._traced_costs(*args)
+    assert model_trace._activation_costs.__wrapped__(*args) == fresh  # traced, then written
+    assert len(list(tmp_path.glob("*.pickle"))) == 1
+    assert model_trace._activation_costs.__wrapped__(*args) == fresh  # read back
+    model_trace._activation_costs.__wrapped__("gpt-tiny", 16, *args[2:])
+    assert len(list(tmp_path.glob("*.pickle"))) == 2

@@ -257,8 +257,40 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
 
 
 @lru_cache(maxsize=64)
-def _activation_costs(model: str, seq_len: int, target_len: int | None, weights: str, autocast: bool | str,
-                      checkpointing: bool, dropout: bool, attention: str) -> dict[str, ActivationCost]:
+def _activation_costs(*args) -> dict[str, ActivationCost]:
+    """`_traced_costs(*args)`, kept for this process; and, where MULTIGPU_TRACE_CACHE names a folder,
+    on disk for the processes that follow (the test suite executes a chapter once per fake GPU
+    server, each in a new kernel: a trace takes a second or two). The key holds the arguments, a
+    config file's text, the versions of torch and transformers and the source of the code that
+    builds and traces the models, so a changed model or tracer is traced again."""
+    import hashlib
+    import os
+    import pickle
+
+    folder = os.environ.get("MULTIGPU_TRACE_CACHE")
+    if not folder:
+        return _traced_costs(*args)
+    import transformers
+
+    from multigpu import hf, loss, models
+
+    parts = [repr(args), torch.__version__, transformers.__version__,
+             *(Path(m.__file__).read_text() for m in (models, hf, loss)), Path(__file__).read_text()]
+    if str(args[0]).endswith(".json") and Path(args[0]).is_file():
+        parts.append(Path(args[0]).read_text())
+    path = Path(folder) / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()}.pickle"
+    if path.exists():
+        return pickle.loads(path.read_bytes())
+    costs = _traced_costs(*args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    aside = path.with_suffix(f".{os.getpid()}.tmp")
+    aside.write_bytes(pickle.dumps(costs))
+    os.replace(aside, path)  # whole or not at all, if two processes trace the same model at once
+    return costs
+
+
+def _traced_costs(model: str, seq_len: int, target_len: int | None, weights: str, autocast: bool | str,
+                  checkpointing: bool, dropout: bool, attention: str) -> dict[str, ActivationCost]:
     """`activation_cost` for every device kind, from one trace."""
     from unittest import mock
 
