@@ -47,11 +47,14 @@ $(MATHJAX)/tex-mml-chtml.js:
 	rm -rf _build/static/mathjax && mkdir -p $(MATHJAX)
 	cd _build/npm/node_modules/mathjax/es5 && cp -r tex-mml-chtml.js input output ui a11y adaptors $(CURDIR)/$(MATHJAX)/
 
+# MULTIGPU_TRACE_CACHE: the estimator's model traces are kept in _build/traces, so chapters that
+# estimate the same model trace it once (keyed by the tracing code and versions: a change retraces)
 book: $(STAMP) $(MATHJAX)/tex-mml-chtml.js  ## execute every chapter on this machine and build the HTML site in _build/html
 	if [ -n "$(JUPYTERHUB_URL)" ]; then mkdir -p _build && $(PY) -c 'import sys, yaml; \
 	    c = yaml.safe_load(open("_config.yml")); c["launch_buttons"]["jupyterhub_url"] = sys.argv[1]; \
 	    yaml.safe_dump(c, open(sys.argv[2], "w"), sort_keys=False)' "$(JUPYTERHUB_URL)" _build/_config.yml; fi
-	MULTIGPU_PROGRESS=0 $(VENV)/bin/jupyter-book build . -W -n --keep-going $(BOOK_CONFIG) $(BOOK_FLAGS)
+	MULTIGPU_PROGRESS=0 MULTIGPU_TRACE_CACHE=$(CURDIR)/_build/traces \
+	    $(VENV)/bin/jupyter-book build . -W -n --keep-going $(BOOK_CONFIG) $(BOOK_FLAGS)
 
 notebooks: $(STAMP)  ## export .ipynb copies of the chapters into _build/notebooks
 	mkdir -p _build/notebooks
