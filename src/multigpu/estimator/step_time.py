@@ -146,13 +146,14 @@ def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool =
         comm["tp"] = exposed["tp"] = link.seconds("all_reduce", calls * activation, tp, share, calls=calls)
     bubble = 0.0
     if kind in PIPELINES:  # each micro-batch's activations forward and their gradients back, per stage crossed
+        from multigpu.estimator.formulas import bubble_over_ideal
         from multigpu.strategies.pp import SCHEDULES
 
         v = SCHEDULES[kind].stages_per_rank
         link, share = group_link(machine, pp, dp * tp)
         sends = 2 * v * (m + pp - 1)
         comm["pp"] = exposed["pp"] = link.seconds("send", sends * activation, 2, share, calls=sends)
-        bubble = compute * (pp - 1) / (v * m)
+        bubble = compute * bubble_over_ideal(pp, m, v)  # (p-1)/(vm) of the ideal step
     return StepTime(compute, bubble, comm, exposed)
 
 
