@@ -255,7 +255,7 @@ def test_a_node_that_meets_nobody_stops_in_bounded_time(node_rank, run_dirs, pro
     timeout, and no process left behind."""
     endpoint = f"127.0.0.1:{_free_port()}"
     message, elapsed = _failure(RunConfig(strategy="ddp", world_size=4, steps=2), nnodes=2, node_rank=node_rank,
-                                rdzv_endpoint=endpoint, timeout_s=15)
+                                rdzv_endpoint=endpoint, timeout_s=8)
     assert f"the nodes did not meet at {endpoint}" in message
     assert "node 0 runs the same command with node_rank 0" in message
     assert elapsed < 45

@@ -35,9 +35,15 @@ def _config(strategy: str, world_size: int = 1, optimizer: str = "sgd", bucket_c
                      optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
 
 
+def _activations_config(strategy: str, world_size: int, batch: int) -> RunConfig:
+    return RunConfig(strategy=strategy, world_size=world_size, model="gpt-tiny", steps=2, global_batch_size=batch,
+                     dataset="dummy")
+
+
 def _planned() -> list[RunConfig]:
     """Every setting the tests below read: run as series, one per process count (tests/series.py)."""
     return [*(_config("single", optimizer=o) for o in ("sgd", "sgd-momentum", "adam", "adamw")),
+            _activations_config("single", 1, 2), _activations_config("single", 1, 8), _activations_config("ddp", 2, 4),
             *(_config(s, 2, bucket_cap_mb=b) for s, b in DATA_PARALLEL),
             *(_config(s, n, optimizer="adamw") for n in (2, 4) for s in ZERO_FORMULA),
             *(_config(s, n) for n in (2, 4) for s in ZERO_FORMULA)]
@@ -218,9 +224,7 @@ def test_saved_activations_grow_with_the_batch_and_split_over_ranks():
     data-parallel rank saves exactly what one process saves for the same per-rank batch."""
 
     def saved(strategy, world_size, batch):
-        cfg = RunConfig(strategy=strategy, world_size=world_size, model="gpt-tiny", steps=2,
-                        global_batch_size=batch, dataset="dummy")
-        return launch(cfg, progress=False)["saved_activation_bytes_by_rank"]
+        return _runs(_activations_config(strategy, world_size, batch))["saved_activation_bytes_by_rank"]
 
     (small,), (large,) = saved("single", 1, 2), saved("single", 1, 8)
     assert large / small == pytest.approx(4, rel=0.02)
