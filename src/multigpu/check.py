@@ -126,6 +126,16 @@ def check_series(cases: list[tuple[str, int, dict]], *, steps: int = 3, toleranc
     return results
 
 
+def check_all(cases: list[tuple[str, int, dict]], *, steps: int = 3, tolerance: float = 1e-5) -> list[dict]:
+    """`check` of every (strategy, world_size, overrides) case, in series (`check_series`): the
+    results in order, or the first failing case's error, raised."""
+    results = check_series(cases, steps=steps, tolerance=tolerance)
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results
+
+
 def _run_series(cfgs: list[RunConfig]) -> list[tuple[list[float], dict, dict]]:
     """(losses, trained weights, record) of each run of `cfgs`, run as one series; after a
     failure, of the runs before it only (the rest are left to `check`, one by one)."""
