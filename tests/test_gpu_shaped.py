@@ -293,7 +293,7 @@ def test_the_estimators_record_readers_on_a_gpu_server(gpu_results, server, monk
 
 # -- the chapters ------------------------------------------------------------------------------
 
-LIVE = {"launch", "check", "run_spmd"}  # calls that start processes: what a record cell never needs
+LIVE = {"launch", "launch_series", "check", "check_all", "check_series", "run_spmd"}  # calls that start processes
 
 
 def _names(code: str) -> tuple[set[str], set[str], set[str]]:
