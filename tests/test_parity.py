@@ -19,7 +19,7 @@ import torch
 
 from multigpu.check import BF16_TOLERANCE, check, check_series
 from multigpu.config import SHARDED, STRATEGY_TABLE, RunConfig
-from multigpu.launch import launch
+from multigpu.launch import launch, launch_series
 
 TOLERANCE = 1e-5
 STEPS = 3
@@ -157,13 +157,13 @@ def test_mixed_precision_fsdp_stays_close_to_single(strategy, request):
     assert result["reference_loss"][-1] < result["reference_loss"][0]
 
 
-def _trained_params(tmp_path, name: str, **changes) -> dict[str, torch.Tensor]:
-    # the same settings `check` uses for its runs
+def _trained_params(tmp_path, *changes: dict) -> list[dict[str, torch.Tensor]]:
+    """The trained weights of `single` runs with the settings `check` uses, each with its changes
+    (one series: launch.launch_series)."""
     cfg = RunConfig(strategy="single", model="gpt-tiny", global_batch_size=8, steps=STEPS,
-                    optimizer="sgd-momentum", lr=0.05, track_memory=False).replace(**changes)
-    path = tmp_path / f"{name}.pt"
-    launch(cfg, params_path=path, progress=False)
-    return torch.load(path)
+                    optimizer="sgd-momentum", lr=0.05, track_memory=False)
+    launch_series([cfg.replace(**c) for c in changes], params_dir=tmp_path)
+    return [torch.load(tmp_path / f"run{i}.pt") for i in range(len(changes))]
 
 
 def _max_abs_diff(a: dict, b: dict) -> float:
@@ -179,9 +179,7 @@ def test_weight_comparison_detects_real_differences(tmp_path):
     Two `single` runs stand in for broken strategies: another seed (replicas that did
     not start from the same weights) and twice the learning rate (gradients summed over
     2 ranks instead of averaged, which for SGD is exactly a doubled step)."""
-    reference = _trained_params(tmp_path, "seed0")
-    other_seed = _trained_params(tmp_path, "seed1", seed=1)
-    doubled_step = _trained_params(tmp_path, "lr2x", lr=0.1)
+    reference, other_seed, doubled_step = _trained_params(tmp_path, {}, {"seed": 1}, {"lr": 0.1})
     assert _max_abs_diff(reference, other_seed) > 100 * TOLERANCE
     assert _max_abs_diff(reference, doubled_step) > 100 * TOLERANCE
 
