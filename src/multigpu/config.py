@@ -190,6 +190,7 @@ class RunConfig:
                                                 bool(self.extra.get("sequence_parallel", False)))
             if problems:
                 raise ConfigError(f"tp={self.degrees['tp']} cannot split {self.model}: " + "; ".join(problems))
+        _check_run_options(self)
         import importlib
 
         strategy_module = importlib.import_module(f"multigpu.strategies.{self.info.module}")
@@ -272,3 +273,32 @@ def parse_bytes(text: str, allow_zero: bool = False) -> int:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"memory must be {'zero or more' if allow_zero else 'positive'}, got {text!r}")
     return int(value)
+
+
+# options of the run itself (not of a strategy) that `extra` carries; train.py applies them
+ATTENTION = ("sdpa", "eager")  # how a T5 computes attention: one fused call, or operation by operation
+
+
+def _check_run_options(cfg: RunConfig) -> None:
+    """extra["attention"]: "sdpa" or "eager", T5 only (transformers' own switch; the package's
+    GPT always runs SDPA). extra["cuda_memory_cap_bytes"]: the most the process's CUDA caching
+    allocator may take from the GPU (torch.cuda.set_per_process_memory_fraction), as on a
+    smaller GPU; CUDA runs only."""
+    from multigpu.models import family
+
+    attention = cfg.extra.get("attention")
+    if attention is not None:
+        _choose("attention", attention, ATTENTION)
+        if family(cfg.model) != "t5":
+            raise ConfigError(f"attention={attention!r} chooses how a T5 computes attention; {cfg.model!r} is not a "
+                              "T5 (the package's GPT always runs SDPA): leave attention out")
+    cap = cfg.extra.get("cuda_memory_cap_bytes")
+    if cap is not None:
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ConfigError(f"cuda_memory_cap_bytes must be a whole number of bytes >= 1, got {cap!r}")
+        from multigpu.runtime import machine_gpus, resolve_requested
+
+        requested = resolve_requested(cfg.device)
+        if requested == "cpu" or (requested == "auto" and machine_gpus() == 0):
+            raise ConfigError("cuda_memory_cap_bytes caps the CUDA caching allocator: it needs a run on a CUDA GPU "
+                              f"(device={cfg.device!r} runs on the CPU here), or leave it out")

@@ -42,7 +42,12 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
     machine = ProcessPeaks(rt.device)  # its baseline: before the model exists
+    if (cap := cfg.extra.get("cuda_memory_cap_bytes")) and rt.device.type == "cuda":  # as on a smaller GPU
+        total = torch.cuda.get_device_properties(rt.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), rt.device)
     model = build_model(cfg.model, cfg.seed)
+    if attention := cfg.extra.get("attention"):  # a T5 (config.py checks): transformers' own switch
+        model.set_attn_implementation(attention)
     model.to(rt.device)
     parameters = sum(p.numel() for p in model.parameters())  # before sharding hides them
     par = strategies.prepare(model, cfg, rt)

@@ -81,7 +81,8 @@ def setup_of(record: dict, against: str = "allocator") -> Setup | None:
                  reshard_after_forward=extra.get("reshard_after_forward", True),
                  bucket_cap_mb=c["bucket_cap_mb"], backend=prov["backend"], on_cuda=on_cuda,
                  cuda_workspace_bytes=workspaces,
-                 tp=grid["tp"], pp=grid["pp"], sequence_parallel=bool(extra.get("sequence_parallel")))
+                 tp=grid["tp"], pp=grid["pp"], sequence_parallel=bool(extra.get("sequence_parallel")),
+                 attention=extra.get("attention", "sdpa"))  # a T5 run may compute attention eagerly
 
 
 # how close an estimate must come to a record: a category within 10% of itself or 5% of the peak,

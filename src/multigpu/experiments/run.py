@@ -32,7 +32,12 @@ from multigpu.experiments.model_parallel import (
     tp_scaling,
     tp_width,
 )
-from multigpu.experiments.one_device import machine_peak, one_device_memory, one_device_techniques
+from multigpu.experiments.one_device import (
+    machine_peak,
+    one_device_memory,
+    one_device_techniques,
+    t5_largest_batch,
+)
 from multigpu.experiments.sharding import fsdp_precision, largest_batch, offload, sharded_memory_comm
 from multigpu.launch import launch
 
@@ -40,6 +45,7 @@ EXPERIMENTS = {
     "one_device_memory": one_device_memory,
     "one_device_techniques": one_device_techniques,
     "machine_peak": machine_peak,
+    "t5_largest_batch": t5_largest_batch,
     "ddp_scaling": ddp_scaling,
     "ddp_vs_scratch": ddp_vs_scratch,
     "ddp_buckets": ddp_buckets,
