@@ -19,6 +19,11 @@ def peak_bytes(record: dict) -> int:
     return max(cuda) if cuda else max(m["total"] for m in record["peak_memory_bytes_by_rank"])
 
 
+def probe_config(cfg: RunConfig, per_rank: int) -> RunConfig:
+    """The run that probes a per-rank batch: two steps, no accumulation, memory tracked."""
+    return cfg.replace(global_batch_size=per_rank * cfg.world_size, grad_accum_steps=1, steps=2, track_memory=True)
+
+
 def measure_largest_batch(cfg: RunConfig, cap_bytes: int, limit: int = 1024, progress: bool | None = False) -> dict:
     """Measured (the runs train; estimate.predict_largest_batch predicts it without running):
     the largest per-rank batch (micro-batches of it, no accumulation) whose peak fits
@@ -30,7 +35,7 @@ def measure_largest_batch(cfg: RunConfig, cap_bytes: int, limit: int = 1024, pro
 
     def fits(per_rank: int) -> bool:
         if per_rank not in probes:
-            run = cfg.replace(global_batch_size=per_rank * n, grad_accum_steps=1, steps=2, track_memory=True)
+            run = probe_config(cfg, per_rank)
             try:
                 record = launch(run, progress=progress)
                 probes[per_rank], provenance["last"] = peak_bytes(record), record["provenance"]

@@ -60,16 +60,22 @@ SOURCES_CARD_BYTES = 32 * 2**30
 CPU_STAND_IN = ("t5-small", 2 * 2**30)  # on a CPU: T5-large would take hours; a stand-in and a cap of its size
 
 
-def _t5_largest_batch_records(model: str, cap_bytes: int, attention: str) -> list[dict]:
-    from multigpu.maxbatch import measure_largest_batch
+def t5_as_the_sources(model: str, cap_bytes: int, attention: str) -> RunConfig:
+    """The sources' T5 run (multigpu.sources.T5_SETTING) with `attention`, its batch left to the search."""
     from multigpu.sources import T5_SETTING
 
     extra = {"attention": attention}
     if on_gpus():
         extra["cuda_memory_cap_bytes"] = cap_bytes  # past it the allocator raises out of memory, as a 32 GB card
-    cfg = RunConfig(model=model, seq_len=T5_SETTING["seq_len"], dtype=T5_SETTING["dtype"],
-                    optimizer=T5_SETTING["optimizer"], lr=0.01, dataset="dummy", device="cuda" if on_gpus() else "cpu",
-                    extra=extra)
+    return RunConfig(model=model, seq_len=T5_SETTING["seq_len"], dtype=T5_SETTING["dtype"],
+                     optimizer=T5_SETTING["optimizer"], lr=0.01, dataset="dummy",
+                     device="cuda" if on_gpus() else "cpu", extra=extra)
+
+
+def _t5_largest_batch_records(model: str, cap_bytes: int, attention: str) -> list[dict]:
+    from multigpu.maxbatch import measure_largest_batch
+
+    cfg = t5_as_the_sources(model, cap_bytes, attention)
     found = measure_largest_batch(cfg, cap_bytes)
     if found["provenance"] is None:
         raise RuntimeError(f"t5_largest_batch: not one {model} run ({attention}) finished under "
