@@ -160,3 +160,39 @@ def test_synthetic_task_is_learnable():
         successors.setdefault(a, set()).add(b)
     assert max(len(s) for s in successors.values()) <= 2
     assert any(len(s) == 2 for s in successors.values())  # and really random between two
+
+
+# -- choosing a T5's attention (hf.set_attention) ----------------------------------------------
+
+def _attention_of_every_layer(model) -> set:
+    return {m.config._attn_implementation for m in model.modules() if hasattr(getattr(m, "config", None),
+                                                                                 "_attn_implementation")}
+
+
+def test_set_attention_reaches_the_encoder_and_decoder_whatever_transformers_does(monkeypatch):
+    """transformers 5.17's switch on the whole T5 left its encoder and decoder on SDPA (their configs
+    are copies of the same class, which it skipped): emulated here by a switch that changes only the
+    model it is called on. set_attention still reaches every layer, both ways."""
+    from transformers import PreTrainedModel
+
+    from multigpu.hf import set_attention
+
+    monkeypatch.setattr(PreTrainedModel, "set_attn_implementation",
+                        lambda self, name: setattr(self.config, "_attn_implementation_internal", name))
+    model = build_model("t5-tiny", 0)
+    model.set_attn_implementation("eager")
+    assert _attention_of_every_layer(model) == {"eager", "sdpa"}  # the old switch alone: half the layers
+    set_attention(model, "eager")
+    assert _attention_of_every_layer(model) == {"eager"}
+    set_attention(model, "sdpa")
+    assert _attention_of_every_layer(model) == {"sdpa"}
+
+
+def test_set_attention_refuses_a_switch_that_does_not_take(monkeypatch):
+    from transformers import PreTrainedModel
+
+    from multigpu.hf import set_attention
+
+    monkeypatch.setattr(PreTrainedModel, "set_attn_implementation", lambda self, name: None)
+    with pytest.raises(RuntimeError, match="would not compute what it says"):
+        set_attention(build_model("t5-tiny", 0), "eager")

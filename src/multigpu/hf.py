@@ -112,3 +112,26 @@ def hf_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 
 
 __all__ = ["TINY_LLAMA", "build_causal_lm", "hf_loss", "load_config", "write_tiny_llama_config"]
+
+
+def set_attention(model: nn.Module, attention: str) -> None:
+    """Make every attention layer of a Hugging Face model compute `attention` ("sdpa" or
+    "eager"), and check that it took. `set_attn_implementation` on the whole model is
+    transformers' own switch, but before 5.23 it skips sub-models of the model's own config
+    class: T5's encoder and decoder keep copies of the config, and stayed on SDPA under
+    transformers 5.17 (seen on a GPU machine: "eager" and "sdpa" runs held the same bytes).
+    So every sub-model is switched too, and a layer left on another implementation is an
+    error rather than a mislabelled measurement."""
+    from transformers import PreTrainedModel
+
+    model.set_attn_implementation(attention)
+    for sub in model.modules():
+        if isinstance(sub, PreTrainedModel) and sub.config._attn_implementation != attention:
+            sub.set_attn_implementation(attention)
+    left = {type(m).__name__: m.config._attn_implementation for m in model.modules()
+            if getattr(getattr(m, "config", None), "_attn_implementation", attention) != attention}
+    if left:
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__} left {left} on another attention than "
+                           f"{attention!r}: the run would not compute what it says")

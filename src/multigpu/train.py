@@ -17,6 +17,7 @@ import torch
 from multigpu import strategies
 from multigpu.config import RunConfig, parse_fault
 from multigpu.data import TokenDataset, batches, make_loader
+from multigpu.hf import set_attention
 from multigpu.instruments import Instruments
 from multigpu.memory import ProcessPeaks, model_state_bytes
 from multigpu.models import build_model, default_seq_len, vocab_size
@@ -46,8 +47,8 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
         total = torch.cuda.get_device_properties(rt.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), rt.device)
     model = build_model(cfg.model, cfg.seed)
-    if attention := cfg.extra.get("attention"):  # a T5 (config.py checks): transformers' own switch
-        model.set_attn_implementation(attention)
+    if attention := cfg.extra.get("attention"):  # a T5 (config.py checks)
+        set_attention(model, attention)
     model.to(rt.device)
     parameters = sum(p.numel() for p in model.parameters())  # before sharding hides them
     par = strategies.prepare(model, cfg, rt)

@@ -145,7 +145,7 @@ class Calibration:
     """What a kind of device really holds at a step's peak against what the estimator counts
     (live tensors, as the package's tracker): on a CPU the resident set (glibc's malloc keeps
     freed memory, kernels' temporaries the tracker never sees), on a GPU the caching
-    allocator's reserved memory (blocks cached and split). What the machine holds beyond the
+    allocator's allocated peak (its rounding, cuBLAS's workspaces; `machine_peak`). What the machine holds beyond the
     estimate is fitted by least squares, as a part per byte of saved activations (backward
     makes a gradient of each, and the memory it frees stays with the allocator) and a fixed
     part, to the runs of `CALIBRATED_BY` recorded on that kind of device, of the model's family
@@ -171,13 +171,17 @@ class Calibration:
 
 
 def machine_peak(record: dict, rank: int = 0) -> int | None:
-    """A record's peak as its machine counted it (CPU: resident set; GPU: the allocator's
-    reserved memory), above the process's size before the model was built; None if unknown."""
+    """A record's peak as its machine counted it, above the process's size before the model was
+    built; None if unknown. On a CPU the resident set. On a GPU the caching allocator's
+    allocated peak, not what it reserved: a reserve grows freely while the GPU has room, and
+    under a cap the allocator frees its cached blocks before it gives up (T5-large's largest
+    batch under 32 GiB, results/1xH200-nccl: the batch whose allocated peak was 31.25 GiB
+    trained), so what must fit is what was allocated."""
     peaks = record.get("process_peak_by_rank") or [None]
     peak = peaks[rank] if rank < len(peaks) else None
     if not peak or peak.get("peak_bytes") is None:
         return None
-    return peak["reserved_bytes"] if peak["instrument"] == "cuda caching allocator" else peak["peak_bytes"]
+    return peak["peak_bytes"]
 
 
 def machine_rows(device: str) -> list[dict]:
@@ -194,7 +198,9 @@ def machine_rows(device: str) -> list[dict]:
             c = record["config"]
             est = estimate(setup, c["global_batch_size"])
             rows.append({"machine": tag, "model": c["model"], "family": model_shape(c["model"]).family,
-                         "batch": c["global_batch_size"], "seq_len": setup.seq_len,
+                         "dtype": c["dtype"], "batch": c["global_batch_size"], "seq_len": setup.seq_len,
+                         # on a GPU also what the allocator reserved (the calibration does not use it)
+                         "reserved": (record["process_peak_by_rank"][0] or {}).get("reserved_bytes"),
                          "estimated": est.per_rank_bytes["total"], "saved activations": saved_activations(est),
                          "tracker": record["peak_memory_bytes_by_rank"][0]["total"], "machine_peak": measured,
                          "estimate": est})

@@ -176,6 +176,13 @@ ATTENTION = ("sdpa", "eager")  # how attention is computed: one fused call, or i
 DEVICE_KINDS = ("cpu", "cuda")
 
 
+# What CUDA keeps for backward of a fused attention call given a floating-point mask (T5's position
+# bias): two copies of the mask, batch-wide (batch x heads x queries x keys). Measured, not derived:
+# T5's SDPA runs on an H200 (torch 2.11; results/1xH200-nccl, machine_peak and t5_largest_batch) held
+# this beyond the output and log-sum-exp, within 2% from t5-small to t5-large, batch 8 to 16
+MASK_COPIES_ON_CUDA = 2
+
+
 class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
     """Every storage an operator creates (outside `skip`), to count those still alive, as
     two devices keep them. Traced here, a dropout draws its mask with `bernoulli_` into a
@@ -184,7 +191,8 @@ class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
     `scaled_dot_product_attention` with dropout, or with a mask that needs a gradient (T5's
     position bias), by its math backend, which keeps the S x S probabilities (and their
     dropout mask), where CUDA's fused kernels keep the output and one log-sum-exp per row
-    (a dropout inside them keeps only its random seed)."""
+    (a dropout inside them keeps only its random seed) and, given a floating-point mask, two
+    batch-wide copies of it (`MASK_COPIES_ON_CUDA`)."""
 
     def __init__(self, skip: set):
         super().__init__()
@@ -218,7 +226,10 @@ class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
             finally:
                 self.in_attention = False
             rows = out.numel() // out.shape[-1]
-            self.attention_keeps.append((StorageWeakRef_of(out), out.untyped_storage().nbytes() + rows * 4))
+            mask = kwargs.get("attn_mask", args[0] if args else None)
+            masks = (MASK_COPIES_ON_CUDA * rows * key.shape[-2] * mask.element_size()
+                     if isinstance(mask, torch.Tensor) and mask.is_floating_point() else 0)
+            self.attention_keeps.append((StorageWeakRef_of(out), out.untyped_storage().nbytes() + rows * 4 + masks))
             return out
         return call
 
@@ -309,7 +320,9 @@ def _traced_costs(model: str, seq_len: int, target_len: int | None, weights: str
         raise ConfigError(f"{model}: the package's GPT computes attention with scaled_dot_product_attention only "
                           "(attention sdpa); eager attention is a T5 option")
     if family == "t5":
-        built.set_attn_implementation(attention)  # transformers' own switch, every layer's config
+        from multigpu.hf import set_attention
+
+        set_attention(built, attention)  # every layer's config, checked
     if not dropout:
         built.eval()  # nothing else in these models depends on training mode
     positions = built.cfg.seq_len if family == "gpt" else None

@@ -80,7 +80,8 @@ def _t5_largest_batch_records(model: str, cap_bytes: int, attention: str) -> lis
     if found["provenance"] is None:
         raise RuntimeError(f"t5_largest_batch: not one {model} run ({attention}) finished under "
                            f"{cap_bytes / 2**30:.0f} GiB")
-    return [{"config": cfg.to_dict(), **found, "probes": {str(k): v for k, v in found["probes"].items()}}]
+    return [{"config": cfg.to_dict(), "grid": cfg.grid.as_dict(), **found,
+             "probes": {str(k): v for k, v in found["probes"].items()}}]
 
 
 def t5_largest_batch() -> list[Job]:

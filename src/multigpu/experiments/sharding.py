@@ -35,7 +35,8 @@ def _largest_batch_records(strategy: str, world_size: int, cap_mib: int) -> list
     found = measure_largest_batch(cfg, cap_mib * 2**20)
     if found["provenance"] is None:
         raise RuntimeError(f"largest_batch: not one {strategy} run finished under {cap_mib} MiB per rank")
-    return [{"config": cfg.to_dict(), **found, "probes": {str(k): v for k, v in found["probes"].items()}}]
+    return [{"config": cfg.to_dict(), "grid": cfg.grid.as_dict(), **found,
+             "probes": {str(k): v for k, v in found["probes"].items()}}]
 
 
 def largest_batch() -> list[Job]:
