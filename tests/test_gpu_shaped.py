@@ -211,7 +211,7 @@ def test_gpu_records_are_shaped_like_the_gpu_path(gpu_results, server):
 
 
 RUN_SPMD = {"collectives_bandwidth", "link_model", "tp_width", "tp_collectives", "pp_bubble", "async_staleness"}
-ONE_DEVICE = {"one_device_memory", "one_device_techniques", "machine_peak"}
+ONE_DEVICE = {"one_device_memory", "one_device_techniques", "machine_peak", "t5_largest_batch"}
 
 
 @pytest.mark.parametrize("server", SERVERS)
