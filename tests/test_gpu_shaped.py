@@ -332,7 +332,10 @@ def record_cells(cells: list) -> list:
 
 SPY = """\
 import multigpu.plots.style as _style, multigpu.records as _records
-_captions, _loaded, _loads, _caption, _load = [], [], [], _records.caption, _records.load
+# the originals, kept on the module: a kernel that executed another chapter has the spies in place
+_records._unspied = getattr(_records, "_unspied", (_records.caption, _records.load))
+_captions, _loaded, _loads = [], [], []
+_caption, _load = _records._unspied
 def _spy_caption(runs):
     _captions.append(_caption(runs))
     return _captions[-1]
@@ -356,20 +359,51 @@ UNDEFINED = re.compile(r"\b([Nn]a[Nn]|inf|None)\b")  # a number that is not one,
 CPU_ONLY = re.compile(r"\bavx|resident set|C library|loopback|(GPU|CUDA).{0,80}not measured here", re.IGNORECASE)
 
 
-def execute(chapter: Path, results: Path, monkeypatch, whole: bool):
+def execute(chapter: Path, results: Path, monkeypatch, whole: bool, kernels: dict | None = None,
+            server: str | None = None):
     """The chapter as the book executes it (every cell, or only `record_cells`), reading
-    `results`; first and last, cells that log every caption and every records.load."""
+    `results`; first and last, cells that log every caption and every records.load.
+
+    `kernels`: a server's kernel is started once and kept there for its next chapters, each
+    begun by `%reset -f` (a kernel's start and imports cost seconds a chapter); the environment
+    it was started with (the server, `results`) is the same for all of them. A chapter that
+    fails gives its kernel up: the next one starts afresh."""
     import jupytext
     import nbformat
     from nbclient import NotebookClient
 
     nb = jupytext.read(chapter)
     cells = nb.cells if whole else record_cells(nb.cells)
-    nb.cells = [nbformat.v4.new_code_cell(SPY), *cells, nbformat.v4.new_code_cell(REPORT)]
+    nb.cells = [nbformat.v4.new_code_cell("%reset -f\n" + SPY), *cells, nbformat.v4.new_code_cell(REPORT)]
     monkeypatch.setenv("MULTIGPU_RESULTS", str(results))
     monkeypatch.setenv("MULTIGPU_PROGRESS", "0")
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(BOOK)}}).execute()
+    km = None if kernels is None else kernels.get(server)
+    client = NotebookClient(nb, km=km, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(BOOK)}})
+    try:
+        client.execute(cleanup_kc=kernels is None)
+    except BaseException:
+        if kernels is not None:
+            _shut_down(kernels.pop(server, None) or client.km)
+        raise
+    if kernels is not None:
+        kernels[server] = client.km
     return nb
+
+
+def _shut_down(km) -> None:
+    from nbclient.util import run_sync
+
+    if km is not None and km.has_kernel:
+        run_sync(km.shutdown_kernel)(now=True)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """One notebook kernel per server for the chapters' record cells (`execute`), shut down after."""
+    kept: dict = {}
+    yield kept
+    for km in kept.values():
+        _shut_down(km)
 
 
 def prose(nb) -> list[tuple[int, str, str]]:
@@ -427,7 +461,7 @@ def test_record_cells_keep_every_cell_that_loads_records():
         assert not [c.source for c in cells if c not in kept and "records." in c.source], chapter.stem
 
 
-def _check_chapter(chapter: str, server: str, whole: bool, gpu_results, monkeypatch) -> None:
+def _check_chapter(chapter: str, server: str, whole: bool, gpu_results, monkeypatch, kernels=None) -> None:
     """Execute the chapter against the GPU-shaped results in a kernel on the fake server (not
     for whole chapters: their launches would need the GPUs): no error; no nan, inf or None in
     what it writes for the reader; no CPU-only words in what its code writes about CUDA
@@ -437,7 +471,7 @@ def _check_chapter(chapter: str, server: str, whole: bool, gpu_results, monkeypa
     gpus, name, _ = SERVERS[server]
     if not whole:
         kernel_env(monkeypatch, gpus, name)
-    nb = execute(BOOK / f"{chapter}.md", folder, monkeypatch, whole)
+    nb = execute(BOOK / f"{chapter}.md", folder, monkeypatch, whole, kernels, server)
     log = json.loads(nb.cells[-1].outputs[-1].text)
     written = prose(nb)
     wrong = [f"{where}: {text}" for _, where, text in written if UNDEFINED.search(text)]
@@ -455,8 +489,8 @@ def _check_chapter(chapter: str, server: str, whole: bool, gpu_results, monkeypa
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("server", READ_BY_CHAPTERS)
 @pytest.mark.parametrize("chapter", chapters_reading_records())
-def test_chapter_reads_gpu_records(chapter, server, gpu_results, monkeypatch):
-    _check_chapter(chapter, server, False, gpu_results, monkeypatch)
+def test_chapter_reads_gpu_records(chapter, server, gpu_results, monkeypatch, kernels):
+    _check_chapter(chapter, server, False, gpu_results, monkeypatch, kernels)
 
 
 @pytest.mark.skipif(not os.environ.get("MULTIGPU_TEST_WHOLE_CHAPTERS"),
