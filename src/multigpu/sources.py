@@ -23,7 +23,8 @@ class LargestBatch:
 
 # T5 as released (pretrained checkpoints: dropout 0.1; the attention transformers ran in 2022,
 # eager), fp32, SGD with momentum (lr 0.01, momentum 0.9), random token ids 256 in and 256 out,
-# 32 GB V100s, torch 1.12; FSDP auto-wraps every T5Block
+# V100s (32 GB: inferred, the sources say V100 only; their batches fit only the 32 GB card),
+# torch 1.12; FSDP auto-wraps every T5Block
 T5_SETTING = dict(seq_len=256, target_len=256, dtype="fp32", optimizer="sgd-momentum", attention="eager",
                   dropout=True)
 T5_GPU = "v100-32gb"
