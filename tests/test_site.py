@@ -245,14 +245,17 @@ def test_the_calculator_grid_is_the_packages_current_one(calculator_page):
 
 
 def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path):
-    """Sampled settings (seeded) from every strategy: the page's bytes per category, phase,
-    pipeline rank and largest batch against `estimate` and `predict_largest_batch` called here; a
-    setting the estimator refuses shows the estimator's own reason."""
+    """Sampled settings (seeded) from every strategy, each on a GPU the page names or one it does
+    not: the page's bytes per category, phase, pipeline rank and largest batch against `estimate`
+    and `predict_largest_batch` called here for that GPU (its kernels, context and cuBLAS
+    workspaces, as `estimate --gpu NAME --uncalibrated` asks); a setting the estimator refuses
+    shows the estimator's own reason."""
     import random
 
     from multigpu.config import ConfigError
     from multigpu.estimator import calculator
     from multigpu.estimator.peak import estimate, predict_largest_batch
+    from multigpu.estimator.question import GPUS
 
     grid = calculator_page.evaluate("""() => { const g = window.multigpuCalculator.grid;
         return Object.fromEntries(Object.entries(g.entries).map(([k, e]) => [k, e.error || [e.dp, e.m]])); }""")
@@ -266,9 +269,10 @@ def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path)
     for key in keys:
         model, strategy, gpus, tp, dtype, checkpointing = key.split("|")
         settings = {"model": model, "strategy": strategy, "gpus": int(gpus), "tp": int(tp), "dtype": dtype,
-                    "checkpointing": checkpointing == "1", "optimizer": rng.choice(calculator.OPTIMIZERS)}
+                    "checkpointing": checkpointing == "1", "optimizer": rng.choice(calculator.OPTIMIZERS),
+                    "gpu": rng.choice([*sorted(GPUS), None])}
         setup = calculator.setup_of(models[model], strategy, int(gpus), int(tp), dtype, checkpointing == "1",
-                                    settings["optimizer"])
+                                    settings["optimizer"], settings["gpu"] or "unnamed")
         if isinstance(grid[key], str):
             with pytest.raises(ConfigError) as refused:
                 estimate(setup)
@@ -276,7 +280,7 @@ def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path)
             continue
         dp, m = grid[key]
         settings["global_batch"] = rng.choice([1, 2, 5, 16]) * dp * m
-        memory = rng.choice([16, 32, 80, 141]) * 2**30
+        memory = GPUS[settings["gpu"]] if settings["gpu"] else rng.choice([16, 32, 80, 141]) * 2**30
         page = calculator_page.evaluate("([s, mem]) => [window.multigpuCalculator.answer(s), "
                                         "window.multigpuCalculator.largest(s, mem)]", [settings, memory])
         ours, most = estimate(setup, settings["global_batch"]), predict_largest_batch(setup, memory)
@@ -301,13 +305,18 @@ def test_the_calculator_responds_to_input(calculator_page):
         return {c: int(page.get_attribute(f'#multigpu-calculator td[data-category="{c}"]', "data-bytes"))
                 for c in ("params", "activations", "total")}
 
+    from multigpu.estimator.calculator import setup_of
+
     page.select_option('#multigpu-calculator select[name="model"]', "gpt2")
     page.select_option('#multigpu-calculator select[name="strategy"]', "ddp")
     page.select_option('#multigpu-calculator select[name="gpus"]', "2")
+    page.select_option('#multigpu-calculator select[name="gpu"]', "a100-80gb")
+    assert page.input_value('#multigpu-calculator input[name="memory"]') == "80"  # the GPU's memory
     page.fill('#multigpu-calculator input[name="global_batch"]', "8")
     small = shown()
-    expected = estimate(Setup("gpt2", "ddp", 2, seq_len=256), 8).per_rank_bytes
+    expected = estimate(setup_of("gpt2", "ddp", 2, 1, "fp32", False, "adamw", "a100-80gb"), 8).per_rank_bytes
     assert small == {c: expected[c] for c in small}
+    assert expected["total"] > estimate(Setup("gpt2", "ddp", 2, seq_len=256), 8).per_rank_bytes["total"]  # a CPU's
     page.fill('#multigpu-calculator input[name="global_batch"]', "32")
     assert shown()["activations"] > small["activations"] and shown()["params"] == small["params"]
     page.fill('#multigpu-calculator input[name="memory"]', "16")

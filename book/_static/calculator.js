@@ -20,8 +20,14 @@
     return GRID.entries[key] || { error: "this setting is not in the calculator's grid" };
   }
 
+  // what the GPU holds beside the step's tensors: the CUDA context and the GPU's cuBLAS
+  // workspaces (calculator.gpu_overhead), for s.gpu, a name of GRID.memory, or an unnamed GPU
+  function overheadOf(s) {
+    return s.gpu && s.gpu in GRID.gpu_overhead ? GRID.gpu_overhead[s.gpu] : GRID.unnamed_gpu_overhead;
+  }
+
   // what estimate(setup, global batch) answers, b samples per data-parallel rank per micro-batch
-  function atBatch(entry, optimizer, b) {
+  function atBatch(entry, optimizer, b, overhead) {
     const cats = GRID.categories;
     const lined = cats.filter((c) => c !== "optimizer");
     let best = null;
@@ -40,7 +46,7 @@
       const bytes = {};
       let total = 0;
       for (const c of cats) { bytes[c] = Math.trunc(peak.values[c]); }
-      bytes.other += entry.overhead;
+      bytes.other += entry.overhead[optimizer] + overhead;
       for (const c of cats) total += bytes[c];
       bytes.total = total;
       if (best === null || total > best.bytes.total) best = { bytes, phase: peak.phase, rank: rank.rank };
@@ -56,14 +62,15 @@
     if (entry.error) return { error: entry.error };
     const step = entry.dp * entry.m;
     const b = Math.max(1, Math.floor(s.global_batch / step));
-    return { ...atBatch(entry, s.optimizer, b), dp: entry.dp, pp: entry.pp, tp: entry.tp, m: entry.m };
+    return { ...atBatch(entry, s.optimizer, b, overheadOf(s)), dp: entry.dp, pp: entry.pp, tp: entry.tp, m: entry.m };
   }
 
   // estimate.largest_batch: doubling, then bisection, over the per-rank batch
   function largest(s, memoryBytes) {
     const entry = entryOf(s);
     if (entry.error) return { error: entry.error };
-    const fits = (k) => atBatch(entry, s.optimizer, k).per_rank_bytes.total <= memoryBytes;
+    const overhead = overheadOf(s);
+    const fits = (k) => atBatch(entry, s.optimizer, k, overhead).per_rank_bytes.total <= memoryBytes;
     if (!fits(1)) return null;
     let lo = 1, hi = 2;
     while (fits(hi)) {
@@ -74,7 +81,7 @@
       const mid = Math.floor((lo + hi) / 2);
       if (fits(mid)) lo = mid; else hi = mid;
     }
-    return atBatch(entry, s.optimizer, lo);
+    return atBatch(entry, s.optimizer, lo, overhead);
   }
 
   window.multigpuCalculator = { answer, largest, grid: GRID };
@@ -119,8 +126,14 @@
     memory: number("memory", 32, 1),
     global_batch: number("global_batch", 8, 1),
   };
-  const gpuNames = select("gpu", [["", "(choose)"], ...Object.entries(GRID.memory).map(([n, b]) => [b / GiB, n])], "");
-  gpuNames.addEventListener("change", () => { if (gpuNames.value) { inputs.memory.value = gpuNames.value; draw(); } });
+  const gpuNames = select("gpu", [["", "(another)"], ...Object.keys(GRID.memory).map((n) => [n, n])], "v100-32gb");
+  gpuNames.addEventListener("change", () => {
+    if (gpuNames.value) inputs.memory.value = GRID.memory[gpuNames.value] / GiB;
+    draw();
+  });
+  inputs.memory.addEventListener("input", () => {  // a size typed by hand: a GPU the list does not name
+    if (gpuNames.value && Number(inputs.memory.value) * GiB !== GRID.memory[gpuNames.value]) gpuNames.value = "";
+  });
 
   const form = document.createElement("div");
   form.className = "mgc-form";
@@ -128,7 +141,7 @@
     field("model", inputs.model), field("strategy", inputs.strategy), field("GPUs", inputs.gpus),
     field("tensor-parallel degree (fsdp, pipelines)", inputs.tp), field("precision", inputs.dtype),
     field("optimizer", inputs.optimizer), field("activation checkpointing", inputs.checkpointing),
-    field("memory per GPU, GiB", inputs.memory), field("or that of a GPU", gpuNames), field("global batch", inputs.global_batch));
+    field("GPU", gpuNames), field("memory per GPU, GiB", inputs.memory), field("global batch", inputs.global_batch));
   const bar = document.createElement("div");
   bar.className = "mgc-bar";
   const table = document.createElement("table");
@@ -140,7 +153,10 @@
   const by = GRID.made_by;
   made.textContent = `Precomputed by multigpu ${by.package} (commit ${by.commit || "unknown"}, torch ${by.torch}) ` +
     `over ${Object.keys(GRID.entries).length} settings, ${GRID.seq_len} tokens per sample; a pipeline runs ` +
-    `${GRID.microbatches_per_stage} micro-batches per stage. No CUDA context or allocator slack is added.`;
+    `${GRID.microbatches_per_stage} micro-batches per stage. It answers as ` +
+    "`python -m multigpu estimate --gpu NAME --uncalibrated` does: a GPU's kernels, its cuBLAS workspaces and " +
+    `a CUDA context of ${Math.round(GRID.cuda_context / 2 ** 20)} MiB (assumed) are counted, the allocator's ` +
+    "slack is not; for a CPU, ask `python -m multigpu estimate --device cpu`.";
   root.replaceChildren(form, bar, table, said, made);
 
   function settings() {
@@ -148,6 +164,7 @@
       model: inputs.model.value, strategy: inputs.strategy.value, gpus: Number(inputs.gpus.value),
       tp: Number(inputs.tp.value), dtype: inputs.dtype.value, optimizer: inputs.optimizer.value,
       checkpointing: inputs.checkpointing.checked, global_batch: Math.max(1, Number(inputs.global_batch.value) || 1),
+      gpu: gpuNames.value || null,
     };
   }
 

@@ -40,7 +40,7 @@ from multigpu.estimator.peak import (
     model_states,
     optimizer_step_temporary,
 )
-from multigpu.estimator.question import GPUS, PIPELINES, Setup
+from multigpu.estimator.question import DEFAULT_CUDA_CONTEXT, GPUS, PIPELINES, Setup, cublas_workspace_bytes
 from multigpu.estimator.share import rank_shares
 from multigpu.memory import CATEGORIES
 from multigpu.records import CHECKOUT, _git_commit
@@ -82,11 +82,23 @@ def models(folder: Path) -> dict[str, str]:
 
 
 def setup_of(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool,
-             optimizer: str = "adamw") -> Setup:
+             optimizer: str = "adamw", gpu: str | None = None) -> Setup:
+    """The page's setting as the estimator's question, as a GPU runs it (its kernels: `on_cuda`).
+    With `gpu` (a name of GPUS), also what `estimate --gpu` adds for that GPU: the CUDA context
+    (assumed at the command line's default) and its cuBLAS workspaces. The grid's entries leave
+    both out and store them per GPU (`gpu_overhead`): the page adds those of the GPU chosen."""
     pipeline = strategy in PIPELINES
     return Setup(model, strategy, gpus, seq_len=SEQ_LEN, dtype=dtype, optimizer=optimizer,
                  activation_checkpointing=checkpointing, tp=tp if strategy != "tp" else 1,
-                 grad_accum_steps=MICROBATCHES_PER_STAGE * max(1, gpus // tp) if pipeline else 1)
+                 grad_accum_steps=MICROBATCHES_PER_STAGE * max(1, gpus // tp) if pipeline else 1,
+                 on_cuda=True, cuda_context_bytes=DEFAULT_CUDA_CONTEXT if gpu else 0,
+                 cuda_workspace_bytes=cublas_workspace_bytes(gpu) if gpu else 0)
+
+
+def gpu_overhead(gpu: str | None) -> int:
+    """What the page adds to "other" for a GPU (None: one it does not name, with the smaller
+    workspaces of the GPUs before Hopper): the context and cuBLAS's workspaces."""
+    return DEFAULT_CUDA_CONTEXT + cublas_workspace_bytes(gpu or "unnamed")
 
 
 def _lines(setup: Setup, share, states: dict) -> list[tuple[str, list[float]]]:
@@ -137,7 +149,9 @@ def entry(setup: Setup, label: str) -> dict:
             optimizer[name].append(other_states["optimizer"])
             step[name].append(temporary)
     return {"dp": d["dp"], "pp": d["pp"], "tp": d["tp"], "m": setup.grad_accum_steps,
-            "overhead": _cuda_overheads(setup), "ranks": ranks, "optimizer": optimizer, "step": step}
+            # the allocator's rounding, which counts the optimizer's copies of every parameter tensor
+            "overhead": {name: _cuda_overheads(replace(setup, optimizer=name)) for name in OPTIMIZERS},
+            "ranks": ranks, "optimizer": optimizer, "step": step}
 
 
 def key(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool) -> str:
@@ -177,6 +191,8 @@ def grid() -> dict:
         "colors": dict(COLORS), "models": parameters, "strategies": list(STRATEGIES),
         "gpus": list(GPU_COUNTS), "tp": list(TP_DEGREES), "dtypes": list(DTYPES), "optimizers": list(OPTIMIZERS),
         "memory": {name: size for name, size in GPUS.items()},
+        "gpu_overhead": {name: gpu_overhead(name) for name in GPUS}, "unnamed_gpu_overhead": gpu_overhead(None),
+        "cuda_context": DEFAULT_CUDA_CONTEXT,
         "entries": entries,
     }
 
