@@ -264,6 +264,9 @@ def activation_cost(model: str, seq_len: int, target_len: int | None = None, wei
     which keep a dropout's mask and fused attention differently (`_AliveStorages`)."""
     if device not in DEVICE_KINDS:
         raise ConfigError(f"device must be one of {', '.join(DEVICE_KINDS)}, got {device!r}")
+    # one question, one key: a T5's decoder length defaults to its encoder's, a decoder has none (the
+    # chapters ask for T5 both ways, and each key is a trace of its own)
+    target_len = (target_len or seq_len) if model_shape(model).family == "t5" else None
     return _activation_costs(model, seq_len, target_len, weights, autocast, checkpointing, dropout, attention)[device]
 
 
