@@ -79,7 +79,9 @@ def _model_parallel_share(setup: Setup, rank: int, cost: ActivationCost, full: A
     p - rank - 1 forwards; PipeDream-Flush, Narayanan et al. 2021,
     https://arxiv.org/abs/2104.04473); interleaved 1F1B with v stages per rank p(1 + (p-1)/(pv))
     of a rank's layers on the first rank (Korthikanti et al. 2022, section 4.2.3), and by
-    assumption (p - rank) + (p - 1)/v on the others."""
+    assumption (p - rank) + (p - 1)/v on the others: torch's and Megatron's warm-up of
+    (v-1)p + 2(p-1-rank) chunk forwards is p + (p-1-2 rank)/v micro-batches, the same at v = 2
+    only, the one v the package runs."""
     from multigpu.strategies.pp import SCHEDULES, stage_indices
     from multigpu.strategies.pp_split import stage_blocks
 
