@@ -111,9 +111,6 @@ def hf_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return loss_from_logits(model(input_ids=batch["input_ids"]).logits, batch["labels"])
 
 
-__all__ = ["TINY_LLAMA", "build_causal_lm", "hf_loss", "load_config", "write_tiny_llama_config"]
-
-
 def set_attention(model: nn.Module, attention: str) -> None:
     """Make every attention layer of a Hugging Face model compute `attention` ("sdpa" or
     "eager"), and check that it took. `set_attn_implementation` on the whole model is
@@ -135,3 +132,6 @@ def set_attention(model: nn.Module, attention: str) -> None:
 
         raise RuntimeError(f"transformers {transformers.__version__} left {left} on another attention than "
                            f"{attention!r}: the run would not compute what it says")
+
+
+__all__ = ["TINY_LLAMA", "build_causal_lm", "hf_loss", "load_config", "set_attention", "write_tiny_llama_config"]

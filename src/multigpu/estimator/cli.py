@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from multigpu.config import OPTIMIZERS, ConfigError
+from multigpu.config import ATTENTION, OPTIMIZERS, ConfigError
 from multigpu.estimator.machines import MACHINES
 from multigpu.strategy_table import ESTIMATED
 
@@ -187,7 +187,7 @@ def add_estimator_commands(sub) -> None:
                      help="whose kernels and allocator: cuda (a dropout keeps a 1-byte mask, fused attention no "
                      "S x S probabilities, Adam's step a temporary, 512-byte blocks) or cpu (this package's "
                      "trace as a CPU runs it); default: cuda with --gpu, else cpu")
-    est.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+    est.add_argument("--attention", choices=ATTENTION, default="sdpa",
                      help="how attention is computed: sdpa (one fused call) or eager (T5 only: the operations "
                      "one by one, as transformers ran T5 before SDPA)")
     est.add_argument("--uncalibrated", action="store_true",

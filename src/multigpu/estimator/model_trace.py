@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from multigpu.config import ATTENTION  # how attention is computed: one fused call, or op by op
 from multigpu.errors import ConfigError
 
 
@@ -172,7 +173,6 @@ def gpt_parts(model: str) -> GPTParts:
         final_norm=sum(p.numel() for p in built.ln_f.parameters()), head=built.lm_head.weight.numel(),
         tied=cfg.tie_embeddings)
 
-ATTENTION = ("sdpa", "eager")  # how attention is computed: one fused call, or its operations one by one
 DEVICE_KINDS = ("cpu", "cuda")
 
 
