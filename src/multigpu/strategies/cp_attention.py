@@ -1,0 +1,358 @@
+"""Attention over a sequence cut across the ranks of a context-parallel group, from scratch.
+
+Context parallelism gives each of cp ranks a part of every sequence. Everything in a
+transformer but attention works token by token, so it runs on the part as it is; attention
+needs every query to meet every key (every earlier key, under the causal mask). Three ways to
+make it meet them, each an `attention(q, k, v, ...)` that returns this rank's part of the
+output and whose backward returns this rank's part of the gradients:
+
+- **ring** (Liu et al. 2023, Ring Attention, https://arxiv.org/abs/2310.01889): the keys and
+  values travel round the ring of ranks, one neighbour's at a time (`batch_isend_irecv`), while
+  this rank computes with the ones it holds. The partial results are merged with the online
+  softmax (Milakov and Gimelshein 2018; FlashAttention's rescaling): a running log-sum-exp
+  per query row. Backward is a second ring: the keys and values go round again, and with them
+  the gradients of the keys and values, which come home summed over every rank.
+- **allgather**: every rank gathers all keys and values (`all_gather_into_tensor`), computes
+  its queries against them, and sends the gradients back with a reduce-scatter (Llama 3's
+  choice for its long-context training; PyTorch's "allgather" rotate method).
+- **ulysses** (Jacobs et al. 2023, DeepSpeed-Ulysses, https://arxiv.org/abs/2309.14509): an
+  all-to-all turns "my tokens, all heads" into "all tokens, my heads"; plain attention runs on
+  the whole sequence for cp-th of the heads; a second all-to-all turns it back. Needs the heads
+  to split over cp.
+
+Which tokens a rank holds is its **layout**. The sequence is cut into chunks: `contiguous`
+gives rank r chunk r of cp; `zigzag` (head-tail; Brandon et al. 2023, Striped Attention, and
+Megatron's / torchtitan's load balancer) cuts it into 2cp chunks and gives rank r chunks r and
+2cp-1-r. Under the causal mask a query meets only earlier keys, so with contiguous chunks the
+last rank has cp times the first one's work; zigzag pairs an early chunk with a late one and
+every rank gets the same.
+
+Everything here is plain float arithmetic on any device and any backend with point-to-point
+and all-to-all (gloo, NCCL). `ChunkSchedule.flops` counts what each rank computes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+VARIANTS = ("ring", "allgather", "ulysses")
+BALANCES = ("zigzag", "contiguous")
+
+
+# -- which tokens each rank holds ----------------------------------------------------------
+
+def chunks_per_rank(balance: str) -> int:
+    if balance not in BALANCES:
+        raise ValueError(f"unknown balance {balance!r}; choose one of: {', '.join(BALANCES)}")
+    return 2 if balance == "zigzag" else 1
+
+
+def layout(cp: int, balance: str) -> list[list[int]]:
+    """The chunks each rank holds, in the order it holds them: rank r's are layout[r]."""
+    if chunks_per_rank(balance) == 1:
+        return [[r] for r in range(cp)]
+    return [[r, 2 * cp - 1 - r] for r in range(cp)]
+
+
+def sequence_problem(seq_len: int, cp: int, balance: str) -> str | None:
+    """Why a sequence of seq_len tokens cannot be cut for cp ranks with `balance`, or None."""
+    pieces = cp * chunks_per_rank(balance)
+    if seq_len % pieces:
+        return (f"a sequence of {seq_len} tokens does not cut into {pieces} equal chunks ({balance} layout on cp={cp}"
+                f"{': 2 x cp, an early and a late one per rank' if balance == 'zigzag' else ''}); use a sequence "
+                f"length that is a multiple of {pieces}")
+    return None
+
+
+def split_sequence(x: torch.Tensor, dim: int, cp: int, rank: int, balance: str) -> torch.Tensor:
+    """This rank's tokens of x (the whole sequence along `dim`), its chunks side by side."""
+    chunks = x.chunk(cp * chunks_per_rank(balance), dim)
+    return torch.cat([chunks[c] for c in layout(cp, balance)[rank]], dim)
+
+
+def positions(seq_len: int, cp: int, rank: int, balance: str, device=None) -> torch.Tensor:
+    """The positions in the whole sequence of this rank's tokens (for position embeddings)."""
+    return split_sequence(torch.arange(seq_len, device=device), 0, cp, rank, balance)
+
+
+# -- the schedule: which (query chunk, key chunk) pairs a rank computes --------------------
+
+@dataclass(frozen=True)
+class ChunkSchedule:
+    """The work of one rank's queries against the keys of every rank, chunk by chunk. Under the
+    causal mask a query chunk a meets key chunk b in full when a > b, half of it (the diagonal
+    block, computed whole with a mask) when a == b, and not at all when a < b."""
+
+    cp: int
+    balance: str
+    causal: bool
+
+    def pairs(self, rank: int, source: int) -> list[tuple[int, int, str]]:
+        """(i, j, kind) for query chunk i of `rank` against key chunk j of `source`'s (indices
+        into their layouts), kind "full" or "diagonal"; pairs that meet nothing are left out."""
+        lay = layout(self.cp, self.balance)
+        out = []
+        for i, a in enumerate(lay[rank]):
+            for j, b in enumerate(lay[source]):
+                if not self.causal or a > b:
+                    out.append((i, j, "full"))
+                elif a == b:
+                    out.append((i, j, "diagonal"))
+        return out
+
+    def blocks(self, rank: int) -> int:
+        """The chunk-by-chunk blocks of scores this rank computes in one forward, all sources."""
+        return sum(len(self.pairs(rank, s)) for s in range(self.cp))
+
+    def flops(self, rank: int, batch: int, heads: int, seq_len: int, head_dim: int) -> int:
+        """Forward matmul FLOPs of this rank's attention (scores and scores x values, 2 x 2 x c x c x d
+        per block of c x c, diagonal blocks computed whole): the ring's and the all-gather's work.
+        Backward does twice this (four matmuls per block instead of two)."""
+        c = seq_len // (self.cp * chunks_per_rank(self.balance))
+        return self.blocks(rank) * 4 * batch * heads * c * c * head_dim
+
+
+# -- one block of scores, and the online softmax that merges blocks ------------------------
+
+def _scores(q, k, scale, diagonal: bool):
+    s = (q @ k.transpose(-2, -1)) * scale
+    if diagonal:  # a query sees keys up to its own position in the same chunk
+        n = s.shape[-1]
+        keep = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _block_forward(q, k, v, scale, diagonal):
+    """Softmax attention of queries q over keys k alone: (output, log-sum-exp per query row)."""
+    s = _scores(q, k, scale, diagonal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+
+
+def _merge(out, lse, block_out, block_lse):
+    """The online softmax: two partial attentions over disjoint keys, each normalised by its own
+    sum of exponentials (their log-sum-exps lse), combined into the attention over both keys."""
+    if out is None:
+        return block_out, block_lse
+    new = torch.logaddexp(lse, block_lse)
+    return (out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1)), new
+
+
+def _block_backward(q, k, v, dout, lse, delta, scale, diagonal):
+    """Gradients of one block given the final log-sum-exp of each query row (so the block's
+    probabilities are exp(scores - lse), the whole softmax's) and delta = rowsum(dout * out)."""
+    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))
+    dv = p.transpose(-2, -1) @ dout
+    ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
+
+
+def _chunks(x, n):
+    return list(x.chunk(n, dim=-2))
+
+
+# -- ring ----------------------------------------------------------------------------------
+
+def _exchange(send: torch.Tensor, group, tag: int):
+    """Send `send` to the next rank of the ring and receive the previous rank's into a new
+    tensor; returns (work handles, the receive buffer). The tag keeps the two rings of backward
+    (keys and values; their gradients) apart on backends that match messages by tag."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    nxt = dist.get_global_rank(group, (rank + 1) % cp)
+    prev = dist.get_global_rank(group, (rank - 1) % cp)
+    recv = torch.empty_like(send)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group, tag),
+                                    dist.P2POp(dist.irecv, recv, prev, group, tag)])
+    return works, recv
+
+
+def _wait(works):
+    for w in works:
+        w.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """q, k, v: (batch, heads, this rank's tokens, head_dim), the rank's chunks side by side."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, schedule: ChunkSchedule):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        n = chunks_per_rank(schedule.balance)
+        scale = 1 / math.sqrt(q.shape[-1])
+        qs = _chunks(q, n)
+        outs, lses = [None] * n, [None] * n
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(cp):
+            source = (rank - step) % cp  # whose keys and values this rank holds now
+            if step < cp - 1:  # pass them on while computing with them
+                works, incoming = _exchange(kv, group, tag=0)
+            ks, vs = _chunks(kv[0], n), _chunks(kv[1], n)
+            for i, j, kind in schedule.pairs(rank, source):
+                o, lse = _block_forward(qs[i], ks[j], vs[j], scale, kind == "diagonal")
+                outs[i], lses[i] = _merge(outs[i], lses[i], o, lse)
+            if step < cp - 1:
+                _wait(works)
+                kv = incoming
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.schedule = group, schedule
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, schedule = ctx.group, ctx.schedule
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        n = chunks_per_rank(schedule.balance)
+        scale = 1 / math.sqrt(q.shape[-1])
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1)
+        qs, douts, lses, deltas = _chunks(q, n), _chunks(dout, n), list(lse.chunk(n, -1)), list(delta.chunk(n, -1))
+        dqs = [torch.zeros_like(c) for c in qs]
+        kv = torch.stack([k, v]).contiguous()
+        dkv_works = None
+        for step in range(cp):
+            source = (rank - step) % cp
+            if step < cp - 1:
+                works, incoming = _exchange(kv, group, tag=0)
+            ks, vs = _chunks(kv[0], n), _chunks(kv[1], n)
+            part = torch.zeros_like(kv)  # this rank's share of source's key and value gradients
+            dks, dvs = _chunks(part[0], n), _chunks(part[1], n)
+            for i, j, kind in schedule.pairs(rank, source):
+                dq, dk, dv = _block_backward(qs[i], ks[j], vs[j], douts[i], lses[i], deltas[i], scale,
+                                             kind == "diagonal")
+                dqs[i] += dq
+                dks[j] += dk
+                dvs[j] += dv
+            if dkv_works is not None:  # the shares of the ranks before, for the same source
+                _wait(dkv_works)
+                part += dkv
+            dkv_works, dkv = _exchange(part, group, tag=1)  # on to the next rank; home after cp sends
+            if step < cp - 1:
+                _wait(works)
+                kv = incoming
+        _wait(dkv_works)
+        return torch.cat(dqs, dim=-2), dkv[0], dkv[1], None, None
+
+
+# -- all-gather ----------------------------------------------------------------------------
+
+class _GatherSequence(torch.autograd.Function):
+    """All ranks' x, stacked on a new first dimension (cp, ...); backward: each rank's gradient
+    summed over the ranks that used it (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        cp = dist.get_world_size(group)
+        out = torch.empty((cp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=group)  # the ranks' x end to end along dim 0
+        return out.view(cp, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mine = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(mine, grad.reshape(-1, *grad.shape[2:]).contiguous(), group=ctx.group)
+        return mine, None
+
+
+def _causal_mask(q_pos, k_pos):
+    return q_pos.unsqueeze(-1) >= k_pos.unsqueeze(0)
+
+
+def allgather_attention(q, k, v, group, schedule: ChunkSchedule):
+    """This rank's queries against every rank's keys and values, gathered, masked by position."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    kv = _GatherSequence.apply(torch.stack([k, v]), group)  # (cp, 2, batch, heads, tokens, head_dim)
+    k_all = torch.cat(list(kv[:, 0]), dim=-2)
+    v_all = torch.cat(list(kv[:, 1]), dim=-2)
+    mask = None
+    if schedule.causal:
+        seq_len = q.shape[-2] * cp
+        q_pos = positions(seq_len, cp, rank, schedule.balance, q.device)
+        k_pos = torch.cat([positions(seq_len, cp, r, schedule.balance, q.device) for r in range(cp)])
+        mask = _causal_mask(q_pos, k_pos)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
+
+# -- Ulysses -------------------------------------------------------------------------------
+
+def _all_to_all(x, group):
+    x = x.contiguous()
+    out = torch.empty_like(x)  # (after contiguous: empty_like keeps a transposed tensor's strides)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _tokens_to_heads(x, cp, group):
+    """(batch, heads, my tokens, d) -> (batch, heads / cp, every rank's tokens, d), ranks in order."""
+    b, h, t, d = x.shape
+    x = x.reshape(b, cp, h // cp, t, d).transpose(0, 1)  # (cp: whose heads, batch, heads/cp, t, d)
+    x = _all_to_all(x, group)  # now (cp: whose tokens, batch, my heads, t, d)
+    return x.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)
+
+
+def _heads_to_tokens(x, cp, group):
+    """The inverse of _tokens_to_heads."""
+    b, hc, ct, d = x.shape
+    x = x.reshape(b, hc, cp, ct // cp, d).permute(2, 0, 1, 3, 4)  # (cp: whose tokens, batch, my heads, t, d)
+    x = _all_to_all(x, group)  # (cp: whose heads, batch, heads/cp, my t, d)
+    return x.transpose(0, 1).reshape(b, cp * hc, ct // cp, d)
+
+
+class _TokensToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp, group):
+        ctx.cp, ctx.group = cp, group
+        return _tokens_to_heads(x, cp, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_tokens(grad, ctx.cp, ctx.group), None, None
+
+
+class _HeadsToTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp, group):
+        ctx.cp, ctx.group = cp, group
+        return _heads_to_tokens(x, cp, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _tokens_to_heads(grad, ctx.cp, ctx.group), None, None
+
+
+def ulysses_attention(q, k, v, group, schedule: ChunkSchedule):
+    """All-to-all to whole sequences of cp-th of the heads, plain attention, all-to-all back. The
+    gathered tokens come in the ranks' layout order; they are put in sequence order for the
+    causal mask and back after."""
+    cp = dist.get_world_size(group)
+    q, k, v = (_TokensToHeads.apply(t, cp, group) for t in (q, k, v))
+    seq_len = q.shape[-2]
+    order = torch.cat([positions(seq_len, cp, r, schedule.balance, q.device) for r in range(cp)])
+    unsort = torch.argsort(order)  # gathered index of the token at each sequence position
+    q, k, v = (t.index_select(-2, unsort) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=schedule.causal)
+    return _HeadsToTokens.apply(y.index_select(-2, order), cp, group)
+
+
+# -- the one entry point -------------------------------------------------------------------
+
+def attention(q, k, v, *, group, variant: str = "ring", balance: str = "zigzag", causal: bool = True):
+    """Attention of this rank's queries over the whole sequence, held in parts by the ranks of
+    `group`. q, k, v: (batch, heads, this rank's tokens, head_dim), in the rank's layout."""
+    schedule = ChunkSchedule(dist.get_world_size(group), balance, causal)
+    if variant == "ring":
+        return RingAttention.apply(q, k, v, group, schedule)
+    if variant == "allgather":
+        return allgather_attention(q, k, v, group, schedule)
+    if variant == "ulysses":
+        return ulysses_attention(q, k, v, group, schedule)
+    raise ValueError(f"unknown context-parallel attention {variant!r}; choose one of: {', '.join(VARIANTS)}")
