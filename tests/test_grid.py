@@ -91,14 +91,15 @@ def test_tp_ranks_share_their_batch():
     assert (cfg.per_rank_batch_size, cfg.micro_batch_size) == (8, 4)
 
 
-@pytest.mark.parametrize("sizes", [(2, 2, 2), (1, 2, 4), (4, 1, 2), (2, 4, 1)])
+@pytest.mark.parametrize("sizes", [(2, 2, 1, 2), (1, 2, 1, 4), (4, 1, 1, 2), (2, 4, 1, 1), (1, 2, 2, 2), (2, 1, 4, 1)])
 def test_grid_coordinates_put_tp_innermost(sizes):
-    """Rank r = (pp * dp_size + dp) * tp_size + tp, as DeviceMesh lays out a (pp, dp, tp) mesh
-    (row-major): tp ranks are consecutive, pipeline stages the outermost blocks."""
-    pp, dp, tp = sizes
-    world = pp * dp * tp
-    coords = [tuple(RankGrid({"pp": pp, "dp": dp, "tp": tp}, r).coord(d) for d in GRID_DIMS) for r in range(world)]
-    assert coords == list(itertools.product(range(pp), range(dp), range(tp)))
+    """Rank r = ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp, as DeviceMesh lays out a
+    (pp, dp, cp, tp) mesh (row-major): tp ranks are consecutive, pipeline stages the outermost blocks."""
+    pp, dp, cp, tp = sizes
+    world = pp * dp * cp * tp
+    coords = [tuple(RankGrid({"pp": pp, "dp": dp, "cp": cp, "tp": tp}, r).coord(d) for d in GRID_DIMS)
+              for r in range(world)]
+    assert coords == list(itertools.product(range(pp), range(dp), range(cp), range(tp)))
 
 
 def test_every_committed_run_record_states_its_grid(committed_records):

@@ -37,9 +37,9 @@ def assert_parity(result: dict, strategy: str, world_size: int) -> None:
     assert result["passed"] is True
     # the record states the grid the run made: its degrees tile the processes (dp: the replicas)
     grid = result["grid"]
-    assert grid["dp"] * grid["pp"] * grid["tp"] == world_size, grid
+    assert grid["dp"] * grid["pp"] * grid["tp"] * grid.get("cp", 1) == world_size, grid
     spans = STRATEGY_TABLE[strategy].spans
-    if spans in ("tp", "pp"):  # the strategy's own dimension is really cut
+    if spans in ("tp", "pp", "cp"):  # the strategy's own dimension is really cut
         assert grid[spans] > 1, grid
 
 
@@ -88,6 +88,33 @@ def test_matches_single_device(strategy, world_size, request):
     result = parity(request, lambda strategy, world_size: _case(
         strategy, world_size, dtype="fp32", extra=SHARD_EVERYTHING if strategy == "deepspeed-zero3" else {}))
     assert_parity(result, strategy, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("attention, balance", [("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"),
+                                                ("ulysses", "zigzag")])
+def test_context_parallel_matches_single_device(attention, balance, world_size, request):
+    """cp-scratch on 2 and 4 ranks, each rank a part of every sequence (gpt-tiny, 64 tokens: the
+    causal mask makes the layouts' work differ, not their result)."""
+    result = parity(request, lambda attention, balance, world_size: _case(
+        "cp-scratch", world_size, extra={"cp_attention": attention, "cp_balance": balance}))
+    assert_parity(result, "cp-scratch", world_size)
+    assert result["grid"]["cp"] == world_size
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, overrides", [
+    ("cp-scratch", dict(cp=2, grad_accum_steps=2)),  # dp 2 x cp 2, gradients averaged over all four
+    ("fsdp", dict(cp=2)),  # FSDP over the flattened dp x cp ranks
+    ("fsdp", dict(cp=4, extra={"cp_attention": "ulysses"})),
+], ids=["cp2-dp2-accum2", "fsdp-dp2-cp2", "fsdp-cp4-ulysses"])
+def test_context_parallel_composes_with_data_parallelism(strategy, overrides, request):
+    result = parity(request, lambda strategy, overrides: _case(strategy, 4, **overrides))
+    assert_parity(result, strategy, 4)
+    assert result["grid"]["cp"] == overrides["cp"]
 
 
 @pytest.mark.slow

@@ -23,8 +23,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=None, help="processes (default: 1 for single, 2 otherwise)")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree, with a data-parallel strategy")
     p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree, with a data-parallel strategy")
+    p.add_argument("--cp", type=int, default=d.cp, help="context-parallel degree: ranks that split every sequence "
+                   "(cp-scratch, or fsdp with --cp)")
+    p.add_argument("--cp-attention", default=None, help="context parallelism's attention: ring (default), allgather "
+                   "or ulysses")
+    p.add_argument("--cp-balance", default=None, help="which tokens each cp rank holds: zigzag (default; balanced "
+                   "under the causal mask) or contiguous")
     p.add_argument("--dp", type=int, default=None,
-                   help="data-parallel degree (default: what --world-size leaves after --tp and --pp)")
+                   help="data-parallel degree (default: what --world-size leaves after --tp, --pp and --cp)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="tensor parallelism: also split the sequence between the blocks (Korthikanti et al.)")
     p.add_argument("--hsdp-replicas", type=int, default=None,
@@ -61,8 +67,11 @@ def _config(args) -> RunConfig:
         if args.strategy != "fsdp":
             raise ConfigError(f"--hsdp-replicas is hybrid sharding, an fsdp option; got --strategy {args.strategy}")
         extra["replicas"] = args.hsdp_replicas
+    for name in ("cp_attention", "cp_balance"):
+        if getattr(args, name) is not None:
+            extra[name] = getattr(args, name)
     d = RunConfig()
-    cfg = RunConfig(strategy=args.strategy, world_size=world_size, tp=args.tp, pp=args.pp, dp=args.dp,
+    cfg = RunConfig(strategy=args.strategy, world_size=world_size, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp,
                     model=args.model or d.model, extra=extra)
     global_batch_size = args.global_batch_size
     if args.per_rank_batch_size is not None:
@@ -106,8 +115,9 @@ def cmd_run(args) -> int:
     if record.get("strategy_report", {}).get("implementation"):
         print(f"  implementation  {record['strategy_report']['implementation']}")
     d = cfg.degrees
-    if d["tp"] > 1 or d["pp"] > 1:
-        print(f"  grid        dp {d['dp']} x pp {d['pp']} x tp {d['tp']} = {cfg.world_size} processes")
+    if d["tp"] > 1 or d["pp"] > 1 or d.get("cp", 1) > 1:
+        cut = f" x cp {d['cp']}" if d.get("cp", 1) > 1 else ""
+        print(f"  grid        dp {d['dp']} x pp {d['pp']}{cut} x tp {d['tp']} = {cfg.world_size} processes")
     print(f"  batch       {cfg.global_batch_size} samples per step = {d['dp']} x "
           f"{cfg.per_rank_batch_size} (micro-batches of {cfg.micro_batch_size})")
     print(f"  loss        {record['loss'][0]:.4f} -> {record['loss'][-1]:.4f} over {cfg.steps} steps")

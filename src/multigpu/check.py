@@ -65,7 +65,7 @@ def parity_configs(strategy: str, world_size: int, steps: int = 3, **overrides) 
     except ValueError as err:
         raise ConfigError(str(err)) from None
     cfg = cfg.replace(device=device)
-    return cfg, cfg.replace(strategy="single", world_size=1, tp=1, pp=1, dp=None, grad_accum_steps=1, extra={})
+    return cfg, cfg.replace(strategy="single", world_size=1, tp=1, pp=1, cp=1, dp=None, grad_accum_steps=1, extra={})
 
 
 def compare(cfg: RunConfig, ours: tuple[list[float], dict, dict], reference: tuple[list[float], dict, dict],

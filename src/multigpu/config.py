@@ -48,9 +48,10 @@ def max_cpu_workers() -> int:
 @dataclass
 class RunConfig:
     strategy: str = "single"
-    world_size: int = 1  # processes (or, for dp, replicas) = dp x pp x tp
+    world_size: int = 1  # processes (or, for dp, replicas) = dp x pp x cp x tp
     tp: int = 1  # tensor-parallel degree: ranks that split every layer
     pp: int = 1  # pipeline-parallel degree: stages the layers are cut into
+    cp: int = 1  # context-parallel degree: ranks that split every sequence
     dp: int | None = None  # data-parallel degree; None: what world_size leaves after tp and pp
     model: str = "gpt-tiny"  # a preset, or the path of a Hugging Face config.json
     global_batch_size: int = 8  # samples per optimizer step, all ranks together
@@ -85,11 +86,11 @@ class RunConfig:
     def grid(self) -> Grid:
         """The rank grid (grid.resolve_grid, the one rule): a strategy's own name spans what the
         degrees given leave (`tp --world-size 4` is tp 4; `fsdp --world-size 8 --tp 2` is dp 4 x tp 2)."""
-        return resolve_grid(self.strategy, self.world_size, tp=self.tp, pp=self.pp, dp=self.dp)
+        return resolve_grid(self.strategy, self.world_size, tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp)
 
     @property
     def degrees(self) -> dict[str, int]:
-        """{"dp", "pp", "tp"}: the rank grid as a dict."""
+        """{"dp", "pp", "tp"} (and "cp" when the sequence is cut): the rank grid as a dict."""
         return self.grid.as_dict()
 
     @property
@@ -99,8 +100,8 @@ class RunConfig:
 
     @property
     def per_rank_batch_size(self) -> int:
-        """Samples per data-parallel rank per optimizer step (the ranks of one tensor- or
-        pipeline-parallel group share theirs)."""
+        """Samples per data-parallel rank per optimizer step (the ranks of one tensor-, pipeline- or
+        context-parallel group share theirs)."""
         return self.global_batch_size // self.degrees["dp"]
 
     @property
@@ -190,6 +191,11 @@ class RunConfig:
                                                 bool(self.extra.get("sequence_parallel", False)))
             if problems:
                 raise ConfigError(f"tp={self.degrees['tp']} cannot split {self.model}: " + "; ".join(problems))
+        from multigpu.strategies.cp_scratch import context_problems
+
+        problems = context_problems(self)
+        if problems:
+            raise ConfigError(f"cp={self.degrees.get('cp', 1)} cannot cut {self.model}'s sequences: " + "; ".join(problems))
         _check_run_options(self)
         import importlib
 

@@ -1,5 +1,5 @@
 """The rank grid a run asks for, resolved once: `resolve_grid` turns a strategy's row, the
-world size and any degrees given (--tp, --pp, --dp) into a `Grid`, or says with the arithmetic
+world size and any degrees given (--tp, --pp, --cp, --dp) into a `Grid`, or says with the arithmetic
 why they cannot tile the world. The config, the estimator, the process groups (runtime.RankGrid)
 and every record read this one answer (torchtitan does it once in ParallelDims, picotron with
 one assert in its process-group manager).
@@ -7,7 +7,9 @@ one assert in its process-group manager).
 The rule: a strategy's own name spans what the degrees given leave. `tp --world-size 4` is
 tp 4; `fsdp --world-size 8 --tp 2` is dp 4 x tp 2; a pipeline spans what tp and dp leave, and
 when its pp is given, the ranks left over are data-parallel ranks if it takes them (FSDP inside
-each stage): `pp-1f1b --world-size 8 --pp 2 --tp 2` is dp 2 x pp 2 x tp 2.
+each stage): `pp-1f1b --world-size 8 --pp 2 --tp 2` is dp 2 x pp 2 x tp 2. Context parallelism
+(cp) is one more such degree: `cp-scratch --world-size 4` is cp 4, `fsdp --world-size 4 --cp 2`
+is dp 2 x cp 2.
 """
 
 from __future__ import annotations
@@ -20,31 +22,38 @@ from multigpu.strategy_table import STRATEGY_TABLE
 # The grid's dimensions, outermost first (torchtitan's order). Tensor parallelism is the
 # innermost: its ranks are consecutive, which on a GPU server means the GPUs of one node,
 # joined by the fastest links, because TP talks in every layer. Pipeline stages are the
-# outermost: they exchange only activations between neighbours, the least traffic.
-GRID_DIMS = ("pp", "dp", "tp")
+# outermost: they exchange only activations between neighbours, the least traffic. Context
+# parallelism sits between dp and tp: its ranks pass keys and values in every layer, less
+# than TP's activations and more than DP's gradients once a step.
+GRID_DIMS = ("pp", "dp", "cp", "tp")
+MODEL_DIMS = ("tp", "pp", "cp")  # the degrees that cut the model's work, which a strategy spans or combines
 
 
 @dataclass(frozen=True)
 class Grid:
-    """Degrees of data, pipeline and tensor parallelism; their product is the world size (for a
-    one-process strategy, dp counts its replicas)."""
+    """Degrees of data, pipeline, context and tensor parallelism; their product is the world size
+    (for a one-process strategy, dp counts its replicas)."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
 
     def as_dict(self) -> dict[str, int]:
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        """{"dp", "pp", "tp"}, and "cp" when the sequence is cut (records made before context
+        parallelism existed have no cp: theirs was 1)."""
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, **({"cp": self.cp} if self.cp > 1 else {})}
 
 
 _ALONE = {"tp": "tensor parallelism: --strategy tp or tp-scratch alone, fsdp or ddp-scratch with --tp (2D), a "
                 "library pipeline (pp-gpipe, pp-1f1b, ...) with --tp",
           "pp": "pipeline parallelism: a --strategy pp-... (pp-1f1b, pp-gpipe, ...), with --dp N for FSDP inside "
-                "each stage and --tp N for tensor parallel stages"}
+                "each stage and --tp N for tensor parallel stages",
+          "cp": "context parallelism: --strategy cp-scratch alone or with --dp N, or fsdp with --cp N"}
 
 
 def _whole(name: str, value, allow_none: bool = False) -> None:
@@ -54,7 +63,8 @@ def _whole(name: str, value, allow_none: bool = False) -> None:
         raise ConfigError(f"{name} must be a whole number >= 1{' or None' if allow_none else ''}, got {value!r}")
 
 
-def resolve_grid(strategy: str, world_size: int, *, tp: int = 1, pp: int = 1, dp: int | None = None) -> Grid:
+def resolve_grid(strategy: str, world_size: int, *, tp: int = 1, pp: int = 1, dp: int | None = None,
+                 cp: int = 1) -> Grid:
     """The grid `strategy` makes of `world_size` ranks with the degrees given (1 or None: not
     given), checked: the strategy takes every degree it is given, and they tile the world."""
     if strategy not in STRATEGY_TABLE:
@@ -62,10 +72,11 @@ def resolve_grid(strategy: str, world_size: int, *, tp: int = 1, pp: int = 1, dp
     _whole("world_size", world_size)
     _whole("tp", tp)
     _whole("pp", pp)
+    _whole("cp", cp)
     _whole("dp", dp, allow_none=True)
     info = STRATEGY_TABLE[strategy]
-    given = {"tp": tp, "pp": pp}
-    unknown = [d for d in ("tp", "pp") if given[d] > 1 and d != info.spans and d not in info.combines]
+    given = {"tp": tp, "pp": pp, "cp": cp}
+    unknown = [d for d in MODEL_DIMS if given[d] > 1 and d != info.spans and d not in info.combines]
     if unknown:
         can = ", ".join(f"--{d}" for d in info.combines) or "no other degree"
         raise ConfigError(f"strategy {strategy!r} does not combine with {' and '.join(unknown)} "
@@ -76,26 +87,31 @@ def resolve_grid(strategy: str, world_size: int, *, tp: int = 1, pp: int = 1, dp
             raise ConfigError(f"strategy {strategy!r} runs on one device: it does not take dp={dp}")
         return Grid()
     if info.spans == "dp":
-        others = tp * pp
+        others = tp * pp * cp
         if dp is None and world_size % others:
-            raise ConfigError(f"world size {world_size} is not a multiple of pp {pp} x tp {tp} = {others}, so no "
+            named = " x ".join(f"{d} {given[d]}" for d in ("pp", "cp", "tp"))
+            raise ConfigError(f"world size {world_size} is not a multiple of {named} = {others}, so no "
                               f"data-parallel degree fills it; use a world size of {others}, {2 * others}, ...")
-        grid = Grid(dp=dp or world_size // others, pp=pp, tp=tp)
-    else:  # a tensor- or pipeline-parallel strategy: data parallel only where it takes dp
-        kind = "tensor" if info.spans == "tp" else "pipeline"
+        grid = Grid(dp=dp or world_size // others, pp=pp, tp=tp, cp=cp)
+    else:  # a tensor-, pipeline- or context-parallel strategy: data parallel only where it takes dp
+        kind = {"tp": "tensor", "pp": "pipeline", "cp": "context"}[info.spans]
         if dp not in (None, 1) and "dp" not in info.combines:
             raise ConfigError(f"strategy {strategy!r} is {kind} parallel only: it does not take dp={dp}")
-        own, other = info.spans, "pp" if info.spans == "tp" else "tp"
+        own = info.spans
+        others = 1
+        for d in MODEL_DIMS:
+            others *= given[d] if d != own else 1
         degrees = dict(given)
         if given[own] == 1:  # not given: the strategy spans what the others leave
-            degrees[own] = max(1, world_size // (given[other] * (dp or 1)))
+            degrees[own] = max(1, world_size // (others * (dp or 1)))
             degrees["dp"] = dp or 1
         elif dp is None and "dp" in info.combines:  # given: the ranks left are data-parallel ranks
-            degrees["dp"] = max(1, world_size // (given[own] * given[other]))
+            degrees["dp"] = max(1, world_size // (given[own] * others))
         else:
             degrees["dp"] = dp or 1
         grid = Grid(**degrees)
     if grid.size != world_size:
-        raise ConfigError(f"world size {world_size} != dp {grid.dp} x pp {grid.pp} x tp {grid.tp} = {grid.size}; "
+        cut = f"{' x cp ' + str(grid.cp) if grid.cp > 1 else ''}"
+        raise ConfigError(f"world size {world_size} != dp {grid.dp} x pp {grid.pp}{cut} x tp {grid.tp} = {grid.size}; "
                           "change --world-size or the degrees")
     return grid

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +45,16 @@ class CausalSelfAttention(nn.Module):
     [queries | keys | values], each of `n_head` heads. Nothing below counts heads: they are
     read from the shapes, so a tensor-parallel rank that holds its slice of each third
     (heads r*H/tp ... of the queries, keys and values alike) runs this same code on its
-    own heads."""
+    own heads. `attend(q, k, v)` is causal attention over the heads' whole sequences: PyTorch's
+    SDPA, unless context parallelism has put in its own, for a rank that holds a part of each
+    sequence (cp_scratch.parallelize)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.attend = partial(F.scaled_dot_product_attention, is_causal=True)
 
     def forward(self, x):  # x: (batch, seq, d_model)
         qkv = self.qkv(x)  # (batch, seq, 3 * heads * head_dim); under sequence parallelism the
@@ -58,7 +62,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=2)  # each (batch, seq, heads * head_dim)
         # (batch, heads, seq, head_dim); -1 heads: all of them, or this rank's share under TP
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -115,15 +119,17 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids=None, labels=None, hidden=None):
+    def forward(self, input_ids=None, labels=None, hidden=None, position_ids=None):
         """input_ids: (batch, seq) token ids, or hidden: (batch, seq, d_model) when this
-        piece of the model has no embeddings. Returns the loss if labels are given, else
-        the logits (batch, seq, vocab), or hidden states if this piece has no head."""
+        piece of the model has no embeddings. position_ids: (seq,) where each token sits in its
+        sequence (default 0, 1, ...; a context-parallel rank holds tokens from elsewhere).
+        Returns the loss if labels are given, else the logits (batch, seq, vocab), or hidden
+        states if this piece has no head."""
         if self.wte is not None:
             T = input_ids.shape[1]
-            if T > self.cfg.seq_len:
+            if T > self.cfg.seq_len:  # (a context-parallel rank's positions are checked where they are cut)
                 raise ValueError(f"sequence of {T} tokens is longer than the model's {self.cfg.seq_len}")
-            pos = torch.arange(T, device=input_ids.device)
+            pos = torch.arange(T, device=input_ids.device) if position_ids is None else position_ids
             hidden = self.wte(input_ids) + self.wpe(pos)  # (batch, seq, d_model)
         for block in self.blocks.values():
             hidden = block(hidden)

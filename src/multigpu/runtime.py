@@ -18,23 +18,28 @@ from multigpu.grid import GRID_DIMS, Grid
 
 @dataclass
 class RankGrid:
-    """The processes as a pp x dp x tp grid (picotron's process-group manager, torchtitan's
-    ParallelDims). Rank r sits at (pp, dp, tp) = divmod-wise coordinates of r with tp fastest:
+    """The processes as a pp x dp x cp x tp grid (picotron's process-group manager, torchtitan's
+    ParallelDims). Rank r sits at (pp, dp, cp, tp) = divmod-wise coordinates of r with tp fastest:
     ranks r and r+1 differ in their tp coordinate. `mesh` is the same grid as a named
     `DeviceMesh` (what PyTorch's FSDP2, tensor parallel and pipelining take); `group(dim)`
     the plain process group of this rank's line along `dim` (what the from-scratch
     strategies pass to every collective)."""
 
-    sizes: dict[str, int]  # {"pp": ..., "dp": ..., "tp": ...}
+    sizes: dict[str, int]  # {"pp": ..., "dp": ..., "cp": ..., "tp": ...}
     rank: int
     device_type: str = "cpu"
     _mesh: object = None
     _groups: dict = field(default_factory=dict)
 
+    def __post_init__(self):  # a dimension not named has degree 1
+        unknown = set(self.sizes) - set(GRID_DIMS)
+        assert not unknown, f"unknown grid dimension(s) {unknown}"
+        self.sizes = {d: self.sizes.get(d, 1) for d in GRID_DIMS}
+
     @classmethod
     def build(cls, device_type: str, grid: Grid | None = None, **degrees: int) -> RankGrid:
         """This process's place in `grid` (a run's, resolved and checked by grid.resolve_grid), or
-        in the grid of `degrees` (dp=, pp=, tp=; the tests' and the book's small grids). It must be
+        in the grid of `degrees` (dp=, pp=, tp=, cp=; the tests' and the book's small grids). It must be
         the grid of the processes that started: a mismatch is a bug, not a user's input."""
         grid = grid or Grid(**degrees)
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -44,7 +49,7 @@ class RankGrid:
 
     @property
     def mesh(self):
-        """The grid as a DeviceMesh with dimensions named pp, dp, tp (`mesh["tp"]` is this
+        """The grid as a DeviceMesh with dimensions named pp, dp, cp, tp (`mesh["tp"]` is this
         rank's TP line). Made on first use, by every rank at the same point of the program
         (creating its groups is a collective call); a plain data-parallel run never needs it."""
         if self._mesh is None:
@@ -82,7 +87,7 @@ class Runtime:
     world_size: int  # number of processes in the job
     device: torch.device
     backend: str  # "nccl" (CUDA GPUs) or "gloo" (CPU)
-    grid: RankGrid | None = None  # the pp x dp x tp grid, built once the run's degrees are known
+    grid: RankGrid | None = None  # the pp x dp x cp x tp grid, built once the run's degrees are known
 
     @property
     def is_main(self) -> bool:

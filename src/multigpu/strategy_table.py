@@ -17,7 +17,7 @@ class Strategy:
     shards: str  # what a rank holds a part of, rather than the whole
     zero_stage: int | None = 0  # data parallel: what it shards as a ZeRO stage; None: not data parallel
     spans: str = "dp"  # the grid dimension the strategy's own name spans (dp: one replica per rank)
-    combines: tuple[str, ...] = ()  # further grid dimensions it can be given (--tp, --pp, --dp)
+    combines: tuple[str, ...] = ()  # further grid dimensions it can be given (--tp, --pp, --cp, --dp)
     one_process: bool = False  # every replica a thread of one process (no process group)
     # the strategy the estimator models this one as (its own name: modelled as it is); None: not modelled
     estimated_as: str | None = None
@@ -69,7 +69,7 @@ STRATEGY_TABLE: dict[str, Strategy] = {
                             "optimizer state (whole tensors)", 1, overlap="backward", fp16_refusal=_ZERO_FP16),
     "fsdp": Strategy("fsdp", "FSDP2 fully_shard per block (extra reshard_after_forward: True like ZeRO-3, "
                              "False like ZeRO-2; with --tp: FSDP x TP, 2D)", _FSDP_SHARDS,
-                     3, combines=("tp",), estimated_as="fsdp", overlap="all", fp16_refusal=_FSDP_FP16,
+                     3, combines=("tp", "cp"), estimated_as="fsdp", overlap="all", fp16_refusal=_FSDP_FP16,
                      checkpoints_itself=True, advised=True),  # the package's production ZeRO-3
     # FSDP1's flat parameters are not modelled by the estimator
     "fsdp1": Strategy("fsdp1", "FSDP1 FullyShardedDataParallel with transformer_auto_wrap_policy",
@@ -87,6 +87,13 @@ STRATEGY_TABLE: dict[str, Strategy] = {
     "tp": Strategy("tp", "tensor parallel with PyTorch's parallelize_module (Colwise/RowwiseParallel, "
                          "loss_parallel); extra sequence_parallel", _TP_SHARDS,
                    zero_stage=None, spans="tp", estimated_as="tp", fp16_refusal=_TP_FP16, checkpoints_itself=True),
+    "cp-scratch": Strategy("cp_scratch", "context parallel from scratch: every sequence cut over the cp ranks, "
+                                       "attention by ring (default), all-gather or Ulysses; zig-zag balanced (with "
+                                       "--dp: dp x cp, gradients averaged over both)",
+                           "activations: each rank holds its part of every sequence", zero_stage=None, spans="cp",
+                           combines=("dp",), overlap="backward",
+                           fp16_refusal="its step finishes the gradient all-reduce and updates in one call, leaving "
+                                        "no point at which GradScaler could unscale and check the averaged gradients"),
     **{name: Strategy(module, description, "the layers: each rank holds its stage's blocks (and their states)",
                       zero_stage=None, spans="pp", combines=("tp", "dp") if module == "pp" else (),
                       estimated_as=estimated_as, fp16_refusal=_PP_FP16, checkpoints_itself=module == "pp")

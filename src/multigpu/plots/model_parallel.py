@@ -119,15 +119,15 @@ def rank_grid(sizes: dict[str, int], title="The rank grid: pp x dp x tp"):
     from the grid's own coordinates, not by hand."""
     from matplotlib.patches import Rectangle
 
-    from multigpu.runtime import GRID_DIMS, RankGrid
+    from multigpu.runtime import RankGrid
 
     style()
-    pp, dp, tp = (sizes[d] for d in GRID_DIMS)
+    pp, dp, tp = (sizes[d] for d in ("pp", "dp", "tp"))  # drawn without cp: one more axis would need 3-D
     fig, axes = plt.subplots(1, pp, figsize=(2.2 * pp * max(1, tp / 2) + 0.6, 0.9 * dp + 1.2),
                              constrained_layout=True, squeeze=False)
     for rank in range(pp * dp * tp):
         grid = RankGrid(sizes, rank)
-        s, d, t = (grid.coord(dim) for dim in GRID_DIMS)
+        s, d, t = (grid.coord(dim) for dim in ("pp", "dp", "tp"))
         ax = axes[0][s]
         ax.add_patch(Rectangle((t, dp - 1 - d), 0.92, 0.88, color=PALETTE[s % len(PALETTE)], alpha=0.85))
         ax.text(t + 0.46, dp - 1 - d + 0.44, f"rank {rank}\n(dp {d}, tp {t})", ha="center", va="center",

@@ -117,6 +117,29 @@ class ChunkSchedule:
         return self.blocks(rank) * 4 * batch * heads * c * c * head_dim
 
 
+def sent_bytes_per_layer(variant: str, cp: int, batch: int, heads: int, seq_len: int, head_dim: int,
+                         element_size: int) -> dict[str, int]:
+    """Bytes one rank sends for one attention layer, forward and backward: the formulas.
+
+    With a = batch x heads x (seq_len / cp) x head_dim x element_size, one rank's queries (or its
+    keys, values, output) and kv = 2a its keys and values:
+    - ring: forward passes kv on cp - 1 times; backward passes kv on cp - 1 times and the key
+      and value gradients cp times (the last pass brings them home): (2cp - 1) kv.
+    - allgather: the all-gather sends one's kv to the cp - 1 others, (cp - 1) kv; backward's
+      reduce-scatter of the gathered gradients, (cp - 1)/cp of cp x kv: (cp - 1) kv again.
+    - ulysses: four all-to-alls each way (q, k, v and the output; their gradients), each sending
+      (cp - 1)/cp of a: 4 (cp - 1)/cp a, the same forward and backward, and falling with cp."""
+    a = batch * heads * (seq_len // cp) * head_dim * element_size
+    kv = 2 * a
+    if variant == "ring":
+        return {"forward": (cp - 1) * kv, "backward": (2 * cp - 1) * kv}
+    if variant == "allgather":
+        return {"forward": (cp - 1) * kv, "backward": (cp - 1) * kv}
+    if variant == "ulysses":
+        return {"forward": 4 * (cp - 1) * a // cp, "backward": 4 * (cp - 1) * a // cp}
+    raise ValueError(f"unknown context-parallel attention {variant!r}; choose one of: {', '.join(VARIANTS)}")
+
+
 # -- one block of scores, and the online softmax that merges blocks ------------------------
 
 def _scores(q, k, scale, diagonal: bool):

@@ -1,0 +1,163 @@
+"""Context parallelism from scratch: every sequence cut across the ranks of a cp group.
+
+Past a few thousand tokens a transformer's activations are dominated by the sequence: each
+layer keeps (batch x sequence x width) values, and attention's scores grow with the square of
+the sequence. Tensor, pipeline and data parallelism cut the model or the batch, never the
+sequence. Context parallelism gives each of cp ranks its part of every sequence
+(`cp_attention.layout`): every layer but attention works token by token and runs on the part
+unchanged; attention, which must let each query meet the keys of the whole sequence, is
+swapped for one of `cp_attention`'s (ring, all-gather or Ulysses).
+
+Each cp rank holds the whole model, sees the same samples as the other ranks of its group (they
+share one data-parallel rank), and computes the mean loss over its own tokens. Every rank holds
+the same number of tokens, so the mean of those means is the loss over the whole sequences, and
+the mean of the ranks' gradients its gradient: the gradients are averaged over the ranks that
+share the model, the cp ranks and the dp ranks together (`GradBuckets`, overlapped with
+backward as in ddp-scratch). The loss each rank reports is the whole sequences' (one scalar
+all-reduce over the cp group); its gradient is the rank's own.
+
+`cp-scratch --world-size 4` is cp 4; `--cp 2 --world-size 4` is dp 2 x cp 2. `fsdp --cp 2` shards
+the model over the dp x cp ranks instead (compose.py). Options (RunConfig.extra, any strategy
+with cp > 1): `cp_attention` ring (default), allgather or ulysses; `cp_balance` zigzag (default)
+or contiguous. The package's GPT only: its attention is the one that can be swapped, and its
+positions are a table indexed by position (a Hugging Face model's own attention and rotary
+positions would need their own plumbing).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from multigpu.strategies import Parallelized, build_optimizer
+from multigpu.strategies import cp_attention as cpa
+
+
+def options(cfg) -> tuple[str, str]:
+    """(attention variant, balance) a run asks for."""
+    extra = cfg.extra or {}
+    return extra.get("cp_attention", "ring"), extra.get("cp_balance", "zigzag")
+
+
+def context_problems(cfg) -> list[str]:
+    """What makes context parallelism impossible for `cfg`, before any process starts (every
+    strategy with cp > 1, and the cp options given without it)."""
+    from multigpu.models import GPT_SIZES, default_seq_len, family
+
+    variant, balance = options(cfg)
+    cp = cfg.degrees.get("cp", 1)
+    asked = [k for k in ("cp_attention", "cp_balance") if k in (cfg.extra or {})]
+    if cp == 1:
+        return [f"{' and '.join(asked)} choose how context parallelism cuts the sequence; this run has cp 1: give "
+                "--cp N (or --strategy cp-scratch), or leave them out"] if asked else []
+    problems = []
+    if variant not in cpa.VARIANTS:
+        problems.append(f"cp_attention {variant!r} is not one of: {', '.join(cpa.VARIANTS)}")
+    if balance not in cpa.BALANCES:
+        problems.append(f"cp_balance {balance!r} is not one of: {', '.join(cpa.BALANCES)}")
+    if problems:
+        return problems
+    if family(cfg.model) != "gpt" or cfg.model not in GPT_SIZES:
+        return [f"context parallelism swaps the attention of the package's GPT presets ({', '.join(GPT_SIZES)}), "
+                f"not {cfg.model!r}'s"]
+    seq_len = cfg.seq_len or default_seq_len(cfg.model)
+    problem = cpa.sequence_problem(seq_len, cp, balance)
+    if problem:
+        problems.append(problem)
+    heads = GPT_SIZES[cfg.model].n_head // cfg.degrees["tp"]
+    if variant == "ulysses" and heads % cp:
+        problems.append(f"Ulysses gives each of the cp={cp} ranks whole heads, and a rank has {heads} "
+                        f"head(s){' (after tp ' + str(cfg.degrees['tp']) + ')' if cfg.degrees['tp'] > 1 else ''}: "
+                        f"use a cp that divides {heads}, or cp_attention ring or allgather")
+    if cfg.degrees["tp"] > 1 or cfg.degrees["pp"] > 1:
+        problems.append("context parallelism composes with data parallelism and FSDP here, not yet with tensor or "
+                        "pipeline parallelism: give --cp with --dp or fsdp alone")
+    if (cfg.extra or {}).get("replicas", 1) != 1:
+        problems.append("context parallelism with hybrid sharding (--hsdp-replicas) is not built: use plain fsdp --cp")
+    return problems
+
+
+def context_group(grid):
+    """A process group of this rank's cp line, its own: the ring's messages and the loss's
+    all-reduce never share a group with gradient collectives running beside them. Every rank
+    makes every line's group, in the same order (new_group is collective)."""
+    mine = None
+    world = grid.size("pp") * grid.size("dp") * grid.size("cp") * grid.size("tp")
+    lines: dict[tuple, list[int]] = {}
+    from multigpu.runtime import RankGrid
+
+    for rank in range(world):
+        at = RankGrid(grid.sizes, rank)
+        key = tuple(at.coord(d) for d in ("pp", "dp", "tp"))
+        lines.setdefault(key, []).append(rank)
+    for ranks in lines.values():
+        group = dist.new_group(ranks)
+        if grid.rank in ranks:
+            mine = group
+    return mine
+
+
+class ContextParallel(nn.Module):
+    """forward(input_ids, labels): the whole sequences in; this rank's part of them (its tokens
+    and their positions) through the model; the loss over every part out, its gradient this
+    rank's part's (the gradients are averaged over the ranks afterwards)."""
+
+    def __init__(self, model: nn.Module, group, balance: str):
+        super().__init__()
+        self.model = model
+        self.group, self.balance = group, balance
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def forward(self, input_ids, labels=None):
+        seq_len = input_ids.shape[1]
+        if seq_len > self.model.cfg.seq_len:
+            raise ValueError(f"sequence of {seq_len} tokens is longer than the model's {self.model.cfg.seq_len}")
+        mine = partial(cpa.split_sequence, dim=1, cp=self.cp, rank=self.rank, balance=self.balance)
+        pos = cpa.positions(seq_len, self.cp, self.rank, self.balance, input_ids.device)
+        if labels is None:  # this rank's tokens' logits
+            return self.model(input_ids=mine(input_ids), position_ids=pos)
+        loss = self.model(input_ids=mine(input_ids), labels=mine(labels), position_ids=pos)
+        whole = loss.detach().clone()
+        dist.all_reduce(whole, group=self.group)
+        return loss + (whole / self.cp - loss.detach())  # the value: the whole loss; the gradient: this rank's
+
+
+def parallelize(model: nn.Module, cfg, grid) -> ContextParallel:
+    """Swap every attention of `model` (the package's GPT) for the context-parallel one over this
+    rank's cp line, in place; return the module that cuts each batch's sequences."""
+    from multigpu.models import CausalSelfAttention
+
+    variant, balance = options(cfg)
+    group = context_group(grid)
+    for attention in (m for m in model.modules() if isinstance(m, CausalSelfAttention)):
+        attention.attend = partial(cpa.attention, group=group, variant=variant, balance=balance, causal=True)
+    return ContextParallel(model, group, balance)
+
+
+def config_problems(cfg) -> list[str]:
+    return []  # context_problems, which RunConfig.validate asks of every run with cp > 1
+
+
+def prepare(model, cfg, rt) -> Parallelized:
+    from multigpu.strategies.ddp_scratch import GradBuckets
+
+    module = parallelize(model, cfg, rt.grid)
+    group = dist.group.WORLD  # every rank holds the whole model: dp x cp replicas of it
+    with torch.no_grad():  # the same starting point everywhere: rank 0's weights
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor, group=group, group_src=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    buckets = GradBuckets(params, group, cfg.bucket_cap_mb)
+    optimizer = build_optimizer(params, cfg)
+    variant, balance = options(cfg)
+
+    def step():
+        buckets.finish()
+        optimizer.step()
+
+    return Parallelized(module=module, optimizer=optimizer, model=model, no_sync=buckets.no_sync, step=step,
+                        tracked=buckets.flat,
+                        report=lambda: {"cp_attention": variant, "cp_balance": balance})

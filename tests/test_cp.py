@@ -1,0 +1,151 @@
+"""Context parallelism: the attention of a sequence cut over cp ranks equals PyTorch's on the whole
+sequence, output and gradients; its bytes are the formulas'; its schedule's work is balanced by
+the zig-zag layout; and what cannot be cut is refused before any process starts.
+
+The attention checks run in `spmd.cp_checks` (tests/spmd/) on 2 and 4 gloo processes in
+float64. Training parity of the strategies (cp-scratch, fsdp --cp) against one device is in
+test_parity.py, with every other strategy's.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from multigpu.config import ConfigError, RunConfig
+from multigpu.spmd import run_spmd
+from multigpu.strategies import cp_attention as cpa
+
+BATCH, HEADS, SEQ, HEAD_DIM = 2, 4, 32, 8
+
+
+def attention(cp: int) -> list[dict]:
+    return run_spmd("spmd.cp_checks:attention_checks", cp, batch=BATCH, heads=HEADS, seq_len=SEQ, head_dim=HEAD_DIM)
+
+
+_runs: dict[int, list[dict]] = {}
+
+
+def checked(cp: int) -> list[dict]:
+    if cp not in _runs:
+        _runs[cp] = attention(cp)
+    return _runs[cp]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_variant_matches_one_device_attention(cp):
+    """Output and the three input gradients, every variant x layout x mask, on every rank: equal to
+    SDPA on the whole sequence to float64 rounding."""
+    results = checked(cp)
+    assert len(results) == cp
+    keys = {f"{v}/{b}/{m}" for v, b, m in itertools.product(cpa.VARIANTS, cpa.BALANCES, ("causal", "full"))}
+    for rank, result in enumerate(results):
+        assert set(result) == keys
+        for key, diffs in result.items():
+            for quantity in ("out", "dq", "dk", "dv"):
+                assert diffs[quantity] < 1e-12, (cp, rank, key, quantity, diffs[quantity])
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_bytes_sent_are_the_formulas(cp):
+    """What the comm counter saw each rank send, forward and in all, against
+    cp_attention.sent_bytes_per_layer (float64: 8 bytes a value)."""
+    for result in checked(cp):
+        for variant, balance in itertools.product(cpa.VARIANTS, cpa.BALANCES):
+            seen = result[f"{variant}/{balance}/causal"]
+            formula = cpa.sent_bytes_per_layer(variant, cp, BATCH, HEADS, SEQ, HEAD_DIM, 8)
+            assert sum(seen["forward_sent"].values()) == formula["forward"], (variant, seen)
+            assert sum(seen["sent"].values()) == formula["forward"] + formula["backward"], (variant, seen)
+
+
+def test_bytes_formulas_at_a_glance():
+    """One layer, cp 4, 1 x 8 heads x 4096 tokens x 128, bf16: keys and values of one rank are
+    2 x 8 x 1024 x 128 x 2 bytes = 4 MiB. The ring passes them on 3 times forward, and backward 3
+    times more with 4 passes of their gradients; Ulysses moves 3/4 of q, k, v and the output each way."""
+    mib = 2**20
+    ring = cpa.sent_bytes_per_layer("ring", 4, 1, 8, 4096, 128, 2)
+    assert (ring["forward"] / mib, ring["backward"] / mib) == (12, 28)
+    gather = cpa.sent_bytes_per_layer("allgather", 4, 1, 8, 4096, 128, 2)
+    assert (gather["forward"] / mib, gather["backward"] / mib) == (12, 12)
+    ulysses = cpa.sent_bytes_per_layer("ulysses", 4, 1, 8, 4096, 128, 2)
+    assert (ulysses["forward"] / mib, ulysses["backward"] / mib) == (6, 6)
+
+
+def _brute_force_blocks(cp: int, balance: str, rank: int) -> int:
+    """Blocks of chunk x chunk scores holding at least one unmasked entry, found from the causal
+    mask of the whole sequence itself (not from the schedule's rule)."""
+    per = cp * cpa.chunks_per_rank(balance)
+    seq = per * 3  # three tokens a chunk
+    pos = [int(p) for p in range(seq)]
+    mine = cpa.positions(seq, cp, rank, balance).tolist()
+    blocks = set()
+    for q in mine:
+        for k in pos:
+            if q >= k:
+                blocks.add((q // 3, k // 3))
+    return len(blocks)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_the_schedule_is_the_masks_work(cp):
+    for balance in cpa.BALANCES:
+        schedule = cpa.ChunkSchedule(cp, balance, causal=True)
+        for rank in range(cp):
+            assert schedule.blocks(rank) == _brute_force_blocks(cp, balance, rank), (balance, rank)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_zigzag_balances_the_causal_work(cp):
+    """Contiguous chunks: rank r computes r + 1 blocks, the last rank cp, so the slowest does
+    2cp / (cp + 1) times the mean. Zig-zag: every rank 2cp + 1 blocks of a quarter the size."""
+    flops = {b: [cpa.ChunkSchedule(cp, b, True).flops(r, 1, 1, 8 * cp, 4) for r in range(cp)] for b in cpa.BALANCES}
+    naive, zigzag = flops["contiguous"], flops["zigzag"]
+    assert max(naive) / (sum(naive) / cp) == pytest.approx(2 * cp / (cp + 1))
+    assert len(set(zigzag)) == 1
+    assert sum(zigzag) < sum(naive)  # smaller diagonal blocks: less of the masked half computed
+    full = [cpa.ChunkSchedule(cp, "contiguous", False).flops(r, 1, 1, 8 * cp, 4) for r in range(cp)]
+    assert full == [4 * (8 * cp) ** 2 // cp * 4] * cp  # without the mask: the whole S x S / cp each
+
+
+def test_layouts_cover_the_sequence_once():
+    for cp, balance in itertools.product([1, 2, 3, 4], cpa.BALANCES):
+        seq = 4 * cp
+        got = torch.cat([cpa.positions(seq, cp, r, balance) for r in range(cp)])
+        assert sorted(got.tolist()) == list(range(seq))
+    assert cpa.layout(4, "zigzag") == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+def refused(**fields) -> str:
+    with pytest.raises(ConfigError) as info:
+        RunConfig(**fields).validate()
+    return str(info.value)
+
+
+def test_bad_input_is_refused_before_any_process_starts():
+    message = refused(strategy="cp-scratch", world_size=4, seq_len=36)  # zig-zag: 8 chunks
+    assert "does not cut into 8 equal chunks (zigzag layout on cp=4" in message and "multiple of 8" in message
+    RunConfig(strategy="cp-scratch", world_size=4, seq_len=36, extra={"cp_balance": "contiguous"}).validate()
+    message = refused(strategy="cp-scratch", world_size=8, extra={"cp_attention": "ulysses"})  # gpt-tiny: 4 heads
+    assert "Ulysses gives each of the cp=8 ranks whole heads, and a rank has 4 head(s)" in message
+    message = refused(strategy="ddp", world_size=4, cp=2)
+    assert "does not combine with cp (cp=2)" in message and "--strategy cp-scratch" in message
+    assert "this run has cp 1" in refused(strategy="fsdp", world_size=2, extra={"cp_attention": "ring"})
+    assert "not one of: ring, allgather, ulysses" in refused(strategy="cp-scratch", world_size=2,
+                                                             extra={"cp_attention": "flash"})
+    assert "not 't5-tiny'" in refused(strategy="cp-scratch", world_size=2, model="t5-tiny")
+    assert "not yet with tensor" in refused(strategy="fsdp", world_size=4, cp=2, tp=2)
+    assert "world size 6 is not a multiple of pp 1 x cp 4 x tp 1 = 4" in refused(strategy="fsdp", world_size=6, cp=4)
+
+
+@pytest.mark.parametrize("strategy, world_size, cp, dp, expected", [
+    ("cp-scratch", 4, 1, None, {"dp": 1, "pp": 1, "tp": 1, "cp": 4}),  # cp spans the world
+    ("cp-scratch", 4, 2, None, {"dp": 2, "pp": 1, "tp": 1, "cp": 2}),  # given: the rest are dp ranks
+    ("fsdp", 4, 2, None, {"dp": 2, "pp": 1, "tp": 1, "cp": 2}),
+    ("fsdp", 8, 4, None, {"dp": 2, "pp": 1, "tp": 1, "cp": 4}),
+])
+def test_cp_degrees(strategy, world_size, cp, dp, expected):
+    cfg = RunConfig(strategy=strategy, world_size=world_size, cp=cp, dp=dp).validate()
+    assert cfg.degrees == expected
+    assert cfg.per_rank_batch_size == cfg.global_batch_size // expected["dp"]  # cp ranks share their samples
