@@ -45,9 +45,7 @@ class CausalSelfAttention(nn.Module):
     [queries | keys | values], each of `n_head` heads. Nothing below counts heads: they are
     read from the shapes, so a tensor-parallel rank that holds its slice of each third
     (heads r*H/tp ... of the queries, keys and values alike) runs this same code on its
-    own heads. `attend(q, k, v)` is causal attention over the heads' whole sequences: PyTorch's
-    SDPA, unless context parallelism has put in its own, for a rank that holds a part of each
-    sequence (cp_scratch.parallelize)."""
+    own heads. `attend(q, k, v)`: causal SDPA, or context parallelism's (cp_scratch.parallelize)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -121,13 +119,12 @@ class GPT(nn.Module):
 
     def forward(self, input_ids=None, labels=None, hidden=None, position_ids=None):
         """input_ids: (batch, seq) token ids, or hidden: (batch, seq, d_model) when this
-        piece of the model has no embeddings. position_ids: (seq,) where each token sits in its
-        sequence (default 0, 1, ...; a context-parallel rank holds tokens from elsewhere).
-        Returns the loss if labels are given, else the logits (batch, seq, vocab), or hidden
-        states if this piece has no head."""
+        piece of the model has no embeddings; position_ids: (seq,) the tokens' places (default 0,
+        1, ...; context parallel ranks hold others). Returns the loss if labels are given, else
+        the logits (batch, seq, vocab), or hidden states if this piece has no head."""
         if self.wte is not None:
             T = input_ids.shape[1]
-            if T > self.cfg.seq_len:  # (a context-parallel rank's positions are checked where they are cut)
+            if T > self.cfg.seq_len:  # (context parallelism checks the whole sequence where it cuts it)
                 raise ValueError(f"sequence of {T} tokens is longer than the model's {self.cfg.seq_len}")
             pos = torch.arange(T, device=input_ids.device) if position_ids is None else position_ids
             hidden = self.wte(input_ids) + self.wpe(pos)  # (batch, seq, d_model)
@@ -142,10 +139,9 @@ class GPT(nn.Module):
 
 
 # T5 presets are the released checkpoints' configurations (Raffel et al. 2020, Table 14,
-# https://arxiv.org/abs/1910.10683; the config.json of t5-small ... t5-3b on the Hugging Face
-# hub), dropout 0.1 included: training one of them trains what the sources trained. t5-tiny
-# is this package's test model, not a release: its dropout is 0, because a parity test
-# compares ranks with one device, and dropout would draw different masks in each process.
+# https://arxiv.org/abs/1910.10683; the hub's config.json of t5-small ... t5-3b), dropout 0.1
+# included: training one trains what the sources trained. t5-tiny is this package's test model:
+# dropout 0, since parity tests compare ranks with one device and dropout draws per process.
 T5_RELEASED_DROPOUT = 0.1
 T5_SIZES = {
     "t5-tiny": dict(d_model=64, d_ff=256, d_kv=16, num_heads=4, num_layers=2, vocab_size=512, dropout_rate=0.0),
@@ -189,8 +185,8 @@ def t5_config(name: str):
 
 
 # -- models named by a Hugging Face config.json -------------------------------------------
-# A reader's own model arrives as the config.json of a Hugging Face checkpoint (no weights
-# are downloaded: the model is built from the config and initialised from the seed).
+# A reader's own model arrives as a checkpoint's config.json (no weights are downloaded: the
+# model is built from the config and initialised from the seed).
 # model_type "gpt2" builds the package's GPT with the file's sizes, "t5" a T5, anything else
 # transformers' AutoModelForCausalLM ("causal-lm", e.g. a Llama).
 
@@ -399,8 +395,6 @@ def describe(name: str) -> str:
     return f"{name} ({n / 1e6:.1f}M parameters)" if n >= 1e6 else f"{name} ({n:,} parameters)"
 
 
-__all__ = [
-    "GPT", "GPTConfig", "PRESETS", "build_model", "compute_loss", "parameter_count",
-    "apply_activation_checkpointing", "split_problems", "transformer_block_types", "transformer_blocks", "vocab_size",
-    "default_seq_len", "describe",
-]
+__all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "compute_loss", "parameter_count", "describe",
+           "apply_activation_checkpointing", "split_problems", "transformer_block_types", "transformer_blocks",
+           "vocab_size", "default_seq_len"]

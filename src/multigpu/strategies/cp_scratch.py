@@ -45,7 +45,7 @@ def options(cfg) -> tuple[str, str]:
 def context_problems(cfg) -> list[str]:
     """What makes context parallelism impossible for `cfg`, before any process starts (every
     strategy with cp > 1, and the cp options given without it)."""
-    from multigpu.models import GPT_SIZES, default_seq_len, family
+    from multigpu.models import _config_sizes, default_seq_len, family
 
     variant, balance = options(cfg)
     cp = cfg.degrees.get("cp", 1)
@@ -60,14 +60,14 @@ def context_problems(cfg) -> list[str]:
         problems.append(f"cp_balance {balance!r} is not one of: {', '.join(cpa.BALANCES)}")
     if problems:
         return problems
-    if family(cfg.model) != "gpt" or cfg.model not in GPT_SIZES:
-        return [f"context parallelism swaps the attention of the package's GPT presets ({', '.join(GPT_SIZES)}), "
-                f"not {cfg.model!r}'s"]
+    if family(cfg.model) != "gpt":
+        return [f"context parallelism swaps the attention of the package's GPT (a gpt-* preset or a gpt2 "
+                f"config.json), not {cfg.model!r}'s"]
     seq_len = cfg.seq_len or default_seq_len(cfg.model)
     problem = cpa.sequence_problem(seq_len, cp, balance)
     if problem:
         problems.append(problem)
-    heads = GPT_SIZES[cfg.model].n_head // cfg.degrees["tp"]
+    heads = _config_sizes(cfg.model)["heads"] // cfg.degrees["tp"]
     if variant == "ulysses" and heads % cp:
         problems.append(f"Ulysses gives each of the cp={cp} ranks whole heads, and a rank has {heads} "
                         f"head(s){' (after tp ' + str(cfg.degrees['tp']) + ')' if cfg.degrees['tp'] > 1 else ''}: "
