@@ -87,13 +87,6 @@ STRATEGY_TABLE: dict[str, Strategy] = {
     "tp": Strategy("tp", "tensor parallel with PyTorch's parallelize_module (Colwise/RowwiseParallel, "
                          "loss_parallel); extra sequence_parallel", _TP_SHARDS,
                    zero_stage=None, spans="tp", estimated_as="tp", fp16_refusal=_TP_FP16, checkpoints_itself=True),
-    "cp-scratch": Strategy("cp_scratch", "context parallel from scratch: every sequence cut over the cp ranks, "
-                                       "attention by ring (default), all-gather or Ulysses; zig-zag balanced (with "
-                                       "--dp: dp x cp, gradients averaged over both)",
-                           "activations: each rank holds its part of every sequence", zero_stage=None, spans="cp",
-                           combines=("dp",), overlap="backward",
-                           fp16_refusal="its step finishes the gradient all-reduce and updates in one call, leaving "
-                                        "no point at which GradScaler could unscale and check the averaged gradients"),
     **{name: Strategy(module, description, "the layers: each rank holds its stage's blocks (and their states)",
                       zero_stage=None, spans="pp", combines=("tp", "dp") if module == "pp" else (),
                       estimated_as=estimated_as, fp16_refusal=_PP_FP16, checkpoints_itself=module == "pp")
@@ -113,6 +106,13 @@ STRATEGY_TABLE: dict[str, Strategy] = {
         ("pp-dualpipev", "pp", None, "torch.distributed.pipelining, ScheduleDualPipeV (DeepSeek): 2 stages per rank "
                                      "in a V"),
     ]},
+    "cp-scratch": Strategy("cp_scratch", "context parallel from scratch: every sequence cut over the cp ranks, "
+                                       "attention by ring (default), all-gather or Ulysses; zig-zag balanced (with "
+                                       "--dp: dp x cp, gradients averaged over both)",
+                           "activations: each rank holds its part of every sequence", zero_stage=None, spans="cp",
+                           combines=("dp",), overlap="backward",
+                           fp16_refusal="its step finishes the gradient all-reduce and updates in one call, leaving "
+                                        "no point at which GradScaler could unscale and check the averaged gradients"),
 }
 
 # name -> one-line description (what the CLI and the book list)
