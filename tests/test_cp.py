@@ -149,3 +149,21 @@ def test_cp_degrees(strategy, world_size, cp, dp, expected):
     cfg = RunConfig(strategy=strategy, world_size=world_size, cp=cp, dp=dp).validate()
     assert cfg.degrees == expected
     assert cfg.per_rank_batch_size == cfg.global_batch_size // expected["dp"]  # cp ranks share their samples
+
+
+@pytest.mark.parametrize("diagonal", [True, False])
+def test_the_fused_block_kernels_are_the_arithmetic(diagonal):
+    """The ring's blocks run on PyTorch's fused kernel where it has one (here the CPU's flash
+    attention); forward and backward must equal the explicit arithmetic of cp_attention, with the
+    final output and log-sum-exp of a longer row (as the ring's backward passes them)."""
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 3, 16, 8, dtype=torch.float64) for _ in range(4))
+    scale = 8 ** -0.5
+    out, lse = cpa._block_forward(q, k, v, scale, diagonal)
+    ref_out, ref_lse = cpa._block_forward_math(q, k, v, scale, diagonal)
+    assert (out - ref_out).abs().max() < 1e-12 and (lse - ref_lse).abs().max() < 1e-12
+    final_out, final_lse = torch.randn_like(out), ref_lse + torch.rand_like(ref_lse)  # as if other keys were seen
+    fused = cpa._block_backward(q, k, v, dout, final_out, final_lse, scale, diagonal)
+    math = cpa._block_backward_math(q, k, v, dout, final_out, final_lse, scale, diagonal)
+    for a, b in zip(fused, math):
+        assert (a - b).abs().max() < 1e-12

@@ -157,6 +157,7 @@ GPT_SIZES = {
     "gpt-tiny": GPTConfig(vocab_size=128, n_layer=2, n_head=4, d_model=64, seq_len=64),
     "gpt-mini": GPTConfig(vocab_size=512, n_layer=4, n_head=4, d_model=128, seq_len=128),
     "gpt-small": GPTConfig(vocab_size=2048, n_layer=6, n_head=8, d_model=256, seq_len=256),
+    "gpt-long": GPTConfig(vocab_size=512, n_layer=2, n_head=8, d_model=128, seq_len=16384),  # for long sequences
     "gpt2": GPTConfig(vocab_size=50257, n_layer=12, n_head=12, d_model=768, seq_len=1024),
     "gpt2-medium": GPTConfig(vocab_size=50257, n_layer=24, n_head=16, d_model=1024, seq_len=1024),
     "gpt2-large": GPTConfig(vocab_size=50257, n_layer=36, n_head=20, d_model=1280, seq_len=1024),
@@ -165,8 +166,7 @@ GPT_SIZES = {
 
 # preset -> (family, default sequence length used for training)
 PRESETS = {
-    **{name: ("gpt", min(cfg.seq_len, 256) if name.startswith("gpt2") else cfg.seq_len)
-       for name, cfg in GPT_SIZES.items()},
+    **{name: ("gpt", min(cfg.seq_len, 256 if name.startswith("gpt2") else 1024)) for name, cfg in GPT_SIZES.items()},
     **{name: ("t5", 32 if name == "t5-tiny" else 256) for name in T5_SIZES},
 }
 

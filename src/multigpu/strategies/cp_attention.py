@@ -151,7 +151,7 @@ def _scores(q, k, scale, diagonal: bool):
     return s
 
 
-def _block_forward(q, k, v, scale, diagonal):
+def _block_forward_math(q, k, v, scale, diagonal):
     """Softmax attention of queries q over keys k alone: (output, log-sum-exp per query row)."""
     s = _scores(q, k, scale, diagonal)
     lse = torch.logsumexp(s, dim=-1)
@@ -167,17 +167,47 @@ def _merge(out, lse, block_out, block_lse):
     return (out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1)), new
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale, diagonal):
+def _block_backward_math(q, k, v, dout, out, lse, scale, diagonal):
     """Gradients of one block given the final log-sum-exp of each query row (so the block's
-    probabilities are exp(scores - lse), the whole softmax's) and delta = rowsum(dout * out)."""
+    probabilities are exp(scores - lse), the whole softmax's) and the final output (through
+    delta = rowsum(dout * out), the softmax's own term)."""
     p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))
     dv = p.transpose(-2, -1) @ dout
-    ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
 
 
-def _chunks(x, n):
-    return list(x.chunk(n, dim=-2))
+# The same two functions as one fused kernel each, where PyTorch has one that returns the
+# log-sum-exp and takes it back: the CPU's flash attention, CUDA's memory-efficient attention
+# (the kernels PyTorch's own context_parallel calls on CUDA). They never hold a block's c x c
+# scores, and they are several times faster; the test holds them to the arithmetic above.
+def _block_forward(q, k, v, scale, diagonal):
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal, scale=scale)
+    if q.device.type == "cuda":
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, diagonal,
+                                                                               scale=scale)
+        return out, lse[..., :q.shape[-2]].float()  # (its log-sum-exp comes padded to a multiple of 32 rows)
+    return _block_forward_math(q, k, v, scale, diagonal)
+
+
+def _block_backward(q, k, v, dout, out, lse, scale, diagonal):
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, diagonal, scale=scale)
+    if q.device.type == "cuda":
+        rows = q.shape[-2]
+        padded = F.pad(lse, (0, -rows % 32)).contiguous()
+        none = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: no random state
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, padded, none, none, 0.0, [True, True, True, False], diagonal, scale=scale)
+        return dq, dk, dv
+    return _block_backward_math(q, k, v, dout, out, lse, scale, diagonal)
+
+
+def _chunks(x, n, dim=-2):
+    """x's n chunks along dim (a rank's layout chunks), each contiguous, as the kernels take them."""
+    return [c.contiguous() for c in x.chunk(n, dim=dim)]
 
 
 # -- ring ----------------------------------------------------------------------------------
@@ -222,7 +252,7 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 _wait(works)
                 kv = incoming
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.schedule = group, schedule
         return out
@@ -234,9 +264,7 @@ class RingAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         n = chunks_per_rank(schedule.balance)
         scale = 1 / math.sqrt(q.shape[-1])
-        dout = dout.contiguous()
-        delta = (dout * out).sum(-1)
-        qs, douts, lses, deltas = _chunks(q, n), _chunks(dout, n), list(lse.chunk(n, -1)), list(delta.chunk(n, -1))
+        qs, douts, outs, lses = _chunks(q, n), _chunks(dout.to(q.dtype), n), _chunks(out, n), _chunks(lse, n, -1)
         dqs = [torch.zeros_like(c) for c in qs]
         kv = torch.stack([k, v]).contiguous()
         dkv_works = None
@@ -246,13 +274,13 @@ class RingAttention(torch.autograd.Function):
                 works, incoming = _exchange(kv, group, tag=0)
             ks, vs = _chunks(kv[0], n), _chunks(kv[1], n)
             part = torch.zeros_like(kv)  # this rank's share of source's key and value gradients
-            dks, dvs = _chunks(part[0], n), _chunks(part[1], n)
+            dks, dvs = part[0].chunk(n, dim=-2), part[1].chunk(n, dim=-2)  # views: += fills part
             for i, j, kind in schedule.pairs(rank, source):
-                dq, dk, dv = _block_backward(qs[i], ks[j], vs[j], douts[i], lses[i], deltas[i], scale,
+                dq, dk, dv = _block_backward(qs[i], ks[j], vs[j], douts[i], outs[i], lses[i], scale,
                                              kind == "diagonal")
                 dqs[i] += dq
-                dks[j] += dk
-                dvs[j] += dv
+                dks[j].add_(dk)
+                dvs[j].add_(dv)
             if dkv_works is not None:  # the shares of the ranks before, for the same source
                 _wait(dkv_works)
                 part += dkv
