@@ -296,6 +296,9 @@ HELD_OUT = [
     dict(model="gpt-small", strategy="zero2", world_size=4, seq_len=64, global_batch_size=16, optimizer="adam"),
     dict(model="gpt-small", strategy="ddp", world_size=2, seq_len=128, global_batch_size=4, optimizer="adamw",
          dtype="bf16-mixed"),
+    # context parallelism: each rank's activations are its part of the sequence's (ring attention, zig-zag)
+    dict(model="gpt-long", strategy="cp-scratch", world_size=2, seq_len=2048, global_batch_size=2, optimizer="adamw"),
+    dict(model="gpt-long", strategy="fsdp", world_size=4, cp=2, seq_len=1024, global_batch_size=4, optimizer="sgd"),
 ]
 
 
@@ -305,7 +308,7 @@ _held_out = RunCache(lambda: [RunConfig(steps=3, dataset="dummy", **changes) for
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("changes", HELD_OUT, ids=lambda c: f"{c['model']}-{c['strategy']}-{c['world_size']}")
+@pytest.mark.parametrize("changes", HELD_OUT, ids=lambda c: f"{c['model']}-{c['strategy']}-{c['world_size']}{'-cp' + str(c['cp']) if 'cp' in c else ''}")
 def test_estimated_peak_agrees_with_fresh_runs_it_was_not_fitted_to(changes):
     from multigpu.estimator.accuracy import against_records
 

@@ -110,7 +110,7 @@ STRATEGY_TABLE: dict[str, Strategy] = {
                                        "attention by ring (default), all-gather or Ulysses; zig-zag balanced (with "
                                        "--dp: dp x cp, gradients averaged over both)",
                            "activations: each rank holds its part of every sequence", zero_stage=None, spans="cp",
-                           combines=("dp",), overlap="backward",
+                           combines=("dp",), estimated_as="cp-scratch", overlap="backward",
                            fp16_refusal="its step finishes the gradient all-reduce and updates in one call, leaving "
                                         "no point at which GradScaler could unscale and check the averaged gradients"),
 }

@@ -59,7 +59,7 @@ def model_states(setup: Setup, share: RankShare | None = None) -> dict[str, int]
         return max((model_states(setup, s) for s in rank_shares(setup)), key=lambda states: sum(states.values()))
     stage = _zero_stage(setup)
     accounting = "bf16-master" if setup.dtype == "bf16-master" else "fp32"  # autocast keeps fp32 weights
-    states = zero_model_states(share.parameters, setup.grid.dp if stage else 1, stage, setup.optimizer,
+    states = zero_model_states(share.parameters, setup.replicas if stage else 1, stage, setup.optimizer,
                                accounting)
     states = {k: math.ceil(v) for k, v in states.items()}
     if setup.offload_optimizer:
@@ -114,6 +114,8 @@ def estimate(setup: Setup, global_batch: int | None = None) -> Estimate:
                f"{'the model' + chr(39) + 's dropout' if setup.dropout else 'no dropout'})")
     if grid.tp > 1:
         method += ", cut by tp as Megatron cuts them (Korthikanti et al. 2022)"
+    if grid.cp > 1:
+        method += f", of a rank's {setup.rank_seq_len} tokens of each sequence (cp {grid.cp})"
     if grid.pp > 1:
         method += ", times the schedule's micro-batches in flight"
     return Estimate(setup, global_batch, b, per_rank, phase, f"{method}; the peak from the step's phases", rank,
@@ -151,7 +153,7 @@ def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, d
       (optimizer_step_temporary)."""
     shape = model_shape(setup.model)
     width = 2 if setup.dtype == "bf16-master" else 4  # bytes of a parameter, and of its gradient
-    psi, n, s = share.parameters * width, setup.grid.dp, data_parallel_kind(setup)
+    psi, n, s = share.parameters * width, setup.replicas, data_parallel_kind(setup)
     in_bf16 = bf16_weights(setup)
     cost = share.activations
     # T5's logits are freed before backward
@@ -251,7 +253,7 @@ def optimizer_step_temporary(setup: Setup, share: RankShare) -> int:
     foreach step updates in place: 0."""
     if setup.optimizer not in ("adam", "adamw") or setup.offload_optimizer:
         return 0
-    shards = setup.grid.dp if _zero_stage(setup) >= 1 else 1
+    shards = setup.replicas if _zero_stage(setup) >= 1 else 1
     if not setup.on_cuda:
         return 2 * math.ceil(share.largest_tensor / shards) * 4
     return math.ceil(share.parameters / shards) * 4

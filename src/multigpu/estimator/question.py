@@ -114,6 +114,18 @@ class Setup:
     tp: int = 1  # tensor-parallel degree: with fsdp (2D), with a pipeline, or the strategy tp (default: all ranks)
     pp: int = 1  # pipeline ranks, with a pp-* strategy (default: what tp leaves); its micro-batches: grad_accum_steps
     sequence_parallel: bool = False  # tensor parallel: the residual stream and LayerNorms cut along the sequence
+    cp: int = 1  # context-parallel degree: cp-scratch (default: all ranks), or fsdp with cp; ring attention, zig-zag
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same piece of the model: the data-parallel ranks and, since each
+        of them holds the whole model too, the context-parallel ranks (FSDP shards over both)."""
+        return self.grid.dp * self.grid.cp
+
+    @property
+    def rank_seq_len(self) -> int:
+        """Tokens of each sequence one rank holds."""
+        return self.seq_len // self.grid.cp
 
     @property
     def grid(self) -> Grid:
@@ -123,7 +135,7 @@ class Setup:
         (tp x pp)), and a pipeline given its pp takes the ranks left as data-parallel ranks
         (FSDP inside each stage). Raises ConfigError, with the arithmetic, for degrees that do
         not tile the world or that the strategy does not take."""
-        return resolve_grid(self.strategy, self.world_size, tp=self.tp, pp=self.pp)
+        return resolve_grid(self.strategy, self.world_size, tp=self.tp, pp=self.pp, cp=self.cp)
 
 
 MAX_SEQ_LEN = 2**20  # a million tokens: beyond any model here, and beyond what a trace can allocate
@@ -162,9 +174,22 @@ def _check_cut(setup: Setup, grid: Grid) -> None:
     if setup.sequence_parallel and (grid.tp == 1 or s in PIPELINES):
         raise ConfigError("sequence parallelism cuts along the sequence what tensor parallelism keeps whole: it needs "
                           "tp > 1, and the pipelines do not run it inside their stages")
+    from multigpu.models import family, tensor_parallel_problems
+
+    if grid.cp > 1:
+        from multigpu.strategies.cp_attention import sequence_problem
+
+        if setup.model.startswith("params:") or family(setup.model) != "gpt":
+            raise ConfigError(f"context parallelism is estimated for the package's GPT (a gpt-* preset or a gpt2 "
+                              f"config.json), whose attention it swaps; not {setup.model}")
+        why = sequence_problem(setup.seq_len, grid.cp, "zigzag")
+        if why:
+            raise ConfigError(why)
+        if grid.tp > 1 or grid.pp > 1:
+            raise ConfigError("context parallelism composes with data parallelism and FSDP here, not with tensor or "
+                              "pipeline parallelism")
     if grid.tp == grid.pp == 1:
         return
-    from multigpu.models import family, tensor_parallel_problems
 
     kind = "a bare parameter count" if setup.model.startswith("params:") else f"a {family(setup.model)} model"
     if kind != "a gpt model":
@@ -195,6 +220,8 @@ def data_parallel_kind(setup: Setup) -> str:
     ranks; "pp-fsdp" for FSDP inside a pipeline's stages."""
     if setup.strategy in DATA_PARALLEL:
         return setup.strategy
+    if STRATEGY_TABLE[setup.strategy].spans == "cp":  # cp-scratch: whole replicas, a flat copy of the gradients
+        return "ddp"
     if setup.strategy in PIPELINES and setup.grid.dp > 1:
         return "pp-fsdp"
     return "single"

@@ -46,7 +46,10 @@ def bf16_weights(setup: Setup) -> bool:
 
 
 def _traced(setup: Setup, checkpointing: bool) -> ActivationCost:
-    return activation_cost(setup.model, setup.seq_len, setup.target_len,
+    # a context-parallel rank's activations are those of its part of the sequence: every layer works
+    # token by token, and ring attention keeps what fused attention keeps (its queries, keys,
+    # values, output and log-sum-exp), for the rank's own tokens
+    return activation_cost(setup.model, setup.rank_seq_len, setup.target_len,
                            weights="bf16" if bf16_weights(setup) else "fp32",
                            autocast={"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(setup.dtype, False),
                            checkpointing=checkpointing,

@@ -205,6 +205,13 @@ def _block_backward(q, k, v, dout, out, lse, scale, diagonal):
     return _block_backward_math(q, k, v, dout, out, lse, scale, diagonal)
 
 
+def _tokens_major(x):
+    """x (batch, heads, tokens, d) stored token by token, as PyTorch's fused attention stores its
+    output: the model's `transpose(1, 2).reshape` is then a view, and the output projection saves
+    the same storage backward keeps, not a copy of it."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _chunks(x, n, dim=-2):
     """x's n chunks along dim (a rank's layout chunks), each contiguous, as the kernels take them."""
     return [c.contiguous() for c in x.chunk(n, dim=dim)]
@@ -252,7 +259,7 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 _wait(works)
                 kv = incoming
-        out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+        out, lse = _tokens_major(torch.cat(outs, dim=-2).to(q.dtype)), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.schedule = group, schedule
         return out
@@ -391,7 +398,7 @@ def ulysses_attention(q, k, v, group, schedule: ChunkSchedule):
     unsort = torch.argsort(order)  # gathered index of the token at each sequence position
     q, k, v = (t.index_select(-2, unsort) for t in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=schedule.causal)
-    return _HeadsToTokens.apply(y.index_select(-2, order), cp, group)
+    return _tokens_major(_HeadsToTokens.apply(y.index_select(-2, order), cp, group))
 
 
 # -- the one entry point -------------------------------------------------------------------
