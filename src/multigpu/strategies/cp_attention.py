@@ -224,6 +224,8 @@ def _exchange(send: torch.Tensor, group, tag: int):
     tensor; returns (work handles, the receive buffer). The tag keeps the two rings of backward
     (keys and values; their gradients) apart on backends that match messages by tag."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if cp == 1:  # a ring of one: the message is home already (gloo cannot send to itself)
+        return [], send
     nxt = dist.get_global_rank(group, (rank + 1) % cp)
     prev = dist.get_global_rank(group, (rank - 1) % cp)
     recv = torch.empty_like(send)
