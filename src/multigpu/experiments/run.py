@@ -69,8 +69,14 @@ EXPERIMENTS = {
 
 
 def _identity(record: dict) -> str:
-    """What a record is a measurement of: its job, or its run's config."""
-    return f"job {record['job']}" if "job" in record else json.dumps(record.get("config"), sort_keys=True)
+    """What a record is a measurement of: its job, or its run's config, every field the config
+    has today (a record written before a field existed, e.g. cp, ran with its default)."""
+    if "job" in record:
+        return f"job {record['job']}"
+    config = record.get("config")
+    from multigpu.config import RunConfig
+
+    return json.dumps({**RunConfig().to_dict(), **config} if isinstance(config, dict) else config, sort_keys=True)
 
 
 class ExperimentFailed(RuntimeError):
