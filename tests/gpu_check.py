@@ -230,6 +230,7 @@ class Case:
     sizes: tuple
     tolerance: float = TOLERANCE
     common: dict = field(default_factory=dict)  # overrides at every size
+    cuda_only: str | None = None  # why it cannot run in the CPU self-check, if it cannot
 
 
 def _pipeline(name: str) -> Case:  # as many micro-batches as stages and at least 4; gpt-mini has 4 blocks
@@ -251,6 +252,12 @@ CASES = [
     Case("fsdp x tp 2 (2D)", "fsdp", ((4, dict(tp=2)), (8, dict(tp=2)))),
     Case("pp-1f1b x tp 2 (PP x TP)", "pp-1f1b", ((4, dict(tp=2, grad_accum_steps=2)),)),
     Case("pp-1f1b x fsdp 2 x tp 2 (3D)", "pp-1f1b", ((8, dict(tp=2, dp=2, grad_accum_steps=2)),)),
+    # context parallelism: gpt-tiny's 64 tokens cut into 2 x cp zig-zag chunks; PyTorch's runs on one GPU too
+    # (a ring of one: its context, its in-place cut of the batch and its kernels, nothing sent)
+    Case("cp-scratch", "cp-scratch", ((2, {}), (4, {}))),
+    Case("fsdp x cp 2", "fsdp", ((4, dict(cp=2)), (8, dict(cp=2)))),
+    Case("cp (PyTorch's context_parallel)", "cp", ((1, {}), (2, {}), (4, {})),
+         cuda_only="PyTorch's context_parallel replaces CUDA attention kernels only"),
 ]
 
 
@@ -260,6 +267,8 @@ def test_matches_one_device(case):
     whole batch: weights and losses within the tolerance (1e-5 in fp32, 1e-3 under bf16
     autocast), and the reference really trained."""
     with recorded(case.name, device=DEVICE) as row:
+        if case.cuda_only and DEVICE != "cuda":
+            pytest.skip(f"{case.name}: {case.cuda_only}; the CPU self-check cannot run it")
         fitting = [(n, o) for n, o in case.sizes if n <= GPUS]
         if not fitting:
             _needs(case.sizes[0][0], case.name)

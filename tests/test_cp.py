@@ -167,3 +167,14 @@ def test_the_fused_block_kernels_are_the_arithmetic(diagonal):
     math = cpa._block_backward_math(q, k, v, dout, final_out, final_lse, scale, diagonal)
     for a, b in zip(fused, math):
         assert (a - b).abs().max() < 1e-12
+
+
+def test_pytorchs_context_parallel_is_refused_off_cuda_with_the_reason():
+    """PyTorch's context_parallel replaces CUDA's attention kernels only: on the CPU every rank would
+    attend to its own tokens, silently wrong; the strategy says so and names the one that runs."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
+
+    assert all("_for_cpu" not in str(op) for op in torch_cp.custom_ops)  # what the refusal rests on
+    message = refused(strategy="cp", world_size=2, device="cpu")
+    assert "replaces only CUDA attention kernels" in message and "--strategy cp-scratch" in message
+    assert "not 'ulysses'" in refused(strategy="cp", world_size=2, device="cpu", extra={"cp_attention": "ulysses"})

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +51,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.d_model // cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.attend = partial(F.scaled_dot_product_attention, is_causal=True)
+        self.attend = None  # None: causal SDPA, looked up when called (PyTorch's context_parallel patches it)
 
     def forward(self, x):  # x: (batch, seq, d_model)
         qkv = self.qkv(x)  # (batch, seq, 3 * heads * head_dim); under sequence parallelism the
@@ -60,7 +59,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=2)  # each (batch, seq, heads * head_dim)
         # (batch, heads, seq, head_dim); -1 heads: all of them, or this rank's share under TP
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = self.attend(q, k, v)
+        y = self.attend(q, k, v) if self.attend else F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -44,6 +44,8 @@ _PP_FP16 = ("each stage holds only its layers' gradients and the schedule runs b
 _TP_SHARDS = ("every weight matrix, by rows or columns; activations inside each block (and between blocks "
               "with SP)")
 _FSDP_SHARDS = "optimizer state, gradients, parameters"
+_CP_FP16 = ("its step finishes the gradient all-reduce and updates in one call, leaving no point at which "
+            "GradScaler could unscale and check the averaged gradients")
 
 STRATEGY_TABLE: dict[str, Strategy] = {
     "single": Strategy("single", "one process, one device: the reference every strategy is tested against",
@@ -111,8 +113,11 @@ STRATEGY_TABLE: dict[str, Strategy] = {
                                        "--dp: dp x cp, gradients averaged over both)",
                            "activations: each rank holds its part of every sequence", zero_stage=None, spans="cp",
                            combines=("dp",), estimated_as="cp-scratch", overlap="backward",
-                           fp16_refusal="its step finishes the gradient all-reduce and updates in one call, leaving "
-                                        "no point at which GradScaler could unscale and check the averaged gradients"),
+                           fp16_refusal=_CP_FP16),
+    "cp": Strategy("cp", "context parallel with PyTorch's context_parallel (CUDA GPUs only: it replaces CUDA's "
+                         "attention kernels); ring or all-gather, head-tail (with --dp: dp x cp)",
+                   "activations: each rank holds its part of every sequence", zero_stage=None, spans="cp",
+                   combines=("dp",), overlap="backward", fp16_refusal=_CP_FP16),
 }
 
 # name -> one-line description (what the CLI and the book list)

@@ -74,6 +74,9 @@ class Parallelized:
     gather_state_dict: Callable[[], dict] | None = None  # sharded strategies: gather whole weights
     train_step: Callable | None = None  # same signature as micro_batch_step, which is the default
     scaler: LossScaler | None = None  # fp16-mixed: the loss scaling micro_batch_step applies
+    # a context around one micro-batch's forward and backward, given the batch (PyTorch's
+    # context_parallel, which cuts the batch's tensors in place and swaps attention inside it)
+    around_micro_batch: Callable[[dict], object] | None = None
 
     def __post_init__(self):
         self.zero_grad = self.zero_grad or (lambda: self.optimizer.zero_grad(set_to_none=True))
@@ -105,7 +108,7 @@ def micro_batch_step(par: Parallelized, micro_batches: list[dict], autocast_dtyp
         last = i == len(micro_batches) - 1
         device_type = next(iter(batch.values())).device.type
         before_forward(i)
-        with (nullcontext() if last else par.no_sync()):
+        with (nullcontext() if last else par.no_sync()), (par.around_micro_batch or _nothing)(batch):
             mixed = autocast_dtype is not None
             with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=mixed):
                 loss = compute_loss(par.module, batch) / len(micro_batches)
@@ -117,6 +120,10 @@ def micro_batch_step(par: Parallelized, micro_batches: list[dict], autocast_dtyp
     else:
         par.step()
     return step_loss.item()
+
+
+def _nothing(batch):
+    return nullcontext()
 
 
 def optimizer_spec(cfg) -> tuple[type[torch.optim.Optimizer], dict]:

@@ -103,7 +103,8 @@ def context_group(grid):
 class ContextParallel(nn.Module):
     """forward(input_ids, labels): the whole sequences in; this rank's part of them (its tokens
     and their positions) through the model; the loss over every part out, its gradient this
-    rank's part's (the gradients are averaged over the ranks afterwards)."""
+    rank's part's (the gradients are averaged over the ranks afterwards). Given position_ids,
+    the batch is this rank's part already (PyTorch's context_parallel cut it in place)."""
 
     def __init__(self, model: nn.Module, group, balance: str):
         super().__init__()
@@ -111,15 +112,17 @@ class ContextParallel(nn.Module):
         self.group, self.balance = group, balance
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def forward(self, input_ids, labels=None):
-        seq_len = input_ids.shape[1]
-        if seq_len > self.model.cfg.seq_len:
-            raise ValueError(f"sequence of {seq_len} tokens is longer than the model's {self.model.cfg.seq_len}")
-        mine = partial(cpa.split_sequence, dim=1, cp=self.cp, rank=self.rank, balance=self.balance)
-        pos = cpa.positions(seq_len, self.cp, self.rank, self.balance, input_ids.device)
+    def forward(self, input_ids, labels=None, position_ids=None):
+        if position_ids is None:
+            seq_len = input_ids.shape[1]
+            if seq_len > self.model.cfg.seq_len:
+                raise ValueError(f"sequence of {seq_len} tokens is longer than the model's {self.model.cfg.seq_len}")
+            mine = partial(cpa.split_sequence, dim=1, cp=self.cp, rank=self.rank, balance=self.balance)
+            position_ids = cpa.positions(seq_len, self.cp, self.rank, self.balance, input_ids.device)
+            input_ids, labels = mine(input_ids), None if labels is None else mine(labels)
         if labels is None:  # this rank's tokens' logits
-            return self.model(input_ids=mine(input_ids), position_ids=pos)
-        loss = self.model(input_ids=mine(input_ids), labels=mine(labels), position_ids=pos)
+            return self.model(input_ids=input_ids, position_ids=position_ids)
+        loss = self.model(input_ids=input_ids, labels=labels, position_ids=position_ids)
         whole = loss.detach().clone()
         dist.all_reduce(whole, group=self.group)
         return loss + (whole / self.cp - loss.detach())  # the value: the whole loss; the gradient: this rank's
@@ -141,10 +144,12 @@ def config_problems(cfg) -> list[str]:
     return []  # context_problems, which RunConfig.validate asks of every run with cp > 1
 
 
-def prepare(model, cfg, rt) -> Parallelized:
+def replicas(model, module, cfg, **calls) -> Parallelized:
+    """`module` (the model, its sequences cut) trained by ranks that each hold the whole model:
+    the same starting weights everywhere, the gradients averaged over every rank in buckets
+    overlapped with backward (ddp-scratch's), then the update. `calls`: more of Parallelized's."""
     from multigpu.strategies.ddp_scratch import GradBuckets
 
-    module = parallelize(model, cfg, rt.grid)
     group = dist.group.WORLD  # every rank holds the whole model: dp x cp replicas of it
     with torch.no_grad():  # the same starting point everywhere: rank 0's weights
         for tensor in list(model.parameters()) + list(model.buffers()):
@@ -152,12 +157,16 @@ def prepare(model, cfg, rt) -> Parallelized:
     params = [p for p in model.parameters() if p.requires_grad]
     buckets = GradBuckets(params, group, cfg.bucket_cap_mb)
     optimizer = build_optimizer(params, cfg)
-    variant, balance = options(cfg)
 
     def step():
         buckets.finish()
         optimizer.step()
 
     return Parallelized(module=module, optimizer=optimizer, model=model, no_sync=buckets.no_sync, step=step,
-                        tracked=buckets.flat,
-                        report=lambda: {"cp_attention": variant, "cp_balance": balance})
+                        tracked=buckets.flat, **calls)
+
+
+def prepare(model, cfg, rt) -> Parallelized:
+    variant, balance = options(cfg)
+    return replicas(model, parallelize(model, cfg, rt.grid), cfg,
+                    report=lambda: {"cp_attention": variant, "cp_balance": balance})
