@@ -6,8 +6,8 @@ whose footer names the machine, backend, devices and date that produced them.
 - `style`: the palette, the colours that mean one thing throughout (memory categories,
   strategies) and the frame every figure is drawn in;
 - one module per chapter group: `one_device`, `data_parallel` (DDP and DataParallel),
-  `collectives`, `sharding` (ZeRO and FSDP), `model_parallel` (TP, PP and all together) and
-  `estimates` (Choosing);
+  `collectives`, `sharding` (ZeRO and FSDP), `model_parallel` (TP, PP and all together),
+  `context_parallel` and `estimates` (Choosing);
 - `values`: the exact values under each figure, which a chapter shows by calling
   `show_values_in_notebooks()` in its first cell.
 
@@ -15,6 +15,7 @@ The chapters call every figure from here: `from multigpu import plots; plots.sca
 """
 
 from multigpu.plots.collectives import bytes_per_rank, collective_bandwidth, collective_grid, staleness
+from multigpu.plots.context_parallel import activations_by_sequence
 from multigpu.plots.data_parallel import (
     DP_PHASES,
     buckets,
@@ -39,7 +40,8 @@ from multigpu.plots.sharding import (
 from multigpu.plots.style import COLORS, PALETTE, STRATEGY_COLORS  # not style(), which would hide the module
 from multigpu.plots.values import figure_values, figure_values_html, show_values_in_notebooks
 
-__all__ = ["COLORS", "DP_PHASES", "PALETTE", "STRATEGY_COLORS", "animation_html", "beside", "bubble_vs_formula",
+__all__ = ["COLORS", "DP_PHASES", "PALETTE", "STRATEGY_COLORS", "activations_by_sequence", "animation_html", "beside",
+           "bubble_vs_formula",
            "buckets", "bytes_per_rank", "collective_bandwidth", "collective_grid", "comm_by_strategy", "comm_vs_rule",
            "dp_memory", "dp_phases", "dp_threads", "estimate_bars", "figure_values", "figure_values_html",
            "loss_curves", "max_batch", "memory_growth", "memory_stacked", "model_states_vs_formula",

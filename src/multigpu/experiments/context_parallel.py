@@ -1,0 +1,134 @@
+"""The experiments of chapter "Context parallelism": memory per rank as the sequence grows and cp
+cuts it, the bytes each attention variant moves, the causal mask's work per rank under the two
+layouts, and the longest sequence a rank's memory takes, predicted and measured.
+
+All on gpt-long (narrow, 16,384 positions), one sample a step, so that the sequence is what
+fills memory. On a CPU every rank is a process with one thread (as one GPU a rank); on GPUs
+the same runs go to NCCL where there are enough of them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from multigpu import records
+from multigpu.config import RunConfig
+from multigpu.experiments.machine import Job, ddp_device, max_world_size, on_gpus
+
+MODEL = "gpt-long"
+# a rank's memory in the longest-sequence search: a stand-in for a GPU's, sized so that one rank
+# and four reach different lengths below the model's 16,384 positions
+CPU_BUDGET = 96 * 2**20
+SEQ_STEP = 512  # the search's grain: a multiple of 2 x cp for every cp it tries
+
+
+def _base(seq_len: int) -> RunConfig:
+    return RunConfig(model=MODEL, global_batch_size=1, seq_len=seq_len, steps=3, optimizer="adamw", lr=1e-3,
+                     dataset="dummy", device=ddp_device(), threads_per_worker=None if on_gpus(2) else 1)
+
+
+def _degrees() -> list[int]:
+    return [cp for cp in (2, 4, 8) if cp <= max_world_size()]
+
+
+def _at(seq_len: int, cp: int, **extra) -> RunConfig:
+    base = _base(seq_len)
+    return base if cp == 1 else base.replace(strategy="cp-scratch", world_size=cp, extra=dict(extra))
+
+
+def cp_memory() -> list[RunConfig]:
+    """Memory by category on each rank, one device and cp ranks (ring attention, zig-zag), as the
+    sequence doubles: a rank's activations are its tokens' and fall as 1/cp."""
+    return [_at(seq, cp) for seq in (2048, 4096, 8192, 16384) for cp in (1, *_degrees())]
+
+
+def cp_variants() -> list[RunConfig]:
+    """Every attention variant and both layouts on 2 and 4 ranks at 8,192 tokens: the bytes each
+    sends per step (counted and on the loopback wire) and every rank's step time."""
+    return [_at(8192, cp, cp_attention=variant, cp_balance=balance, repeat=repeat)
+            for repeat in range(2) for cp in _degrees()[:2]
+            for variant, balance in (("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"),
+                                     ("ulysses", "zigzag"))]
+
+
+def _balance_records(cp: int, seq_len: int, repeats: int = 3) -> list[dict]:
+    """Each rank's share of the causal ring's work, replayed alone in this process (one thread):
+    its blocks' kernels, forward and backward, timed (the best of `repeats`), beside the
+    schedule's count of them. The ring itself would hide the imbalance: every rank waits at each
+    exchange for the slowest, so its step time is the slowest rank's plus waiting."""
+    import torch
+
+    from multigpu.models import GPT_SIZES
+    from multigpu.strategies import cp_attention as cpa
+
+    config = GPT_SIZES[MODEL]
+    heads, head_dim = config.n_head, config.d_model // config.n_head
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for balance in cpa.BALANCES:
+            schedule = cpa.ChunkSchedule(cp, balance, causal=True)
+            c = seq_len // (cp * cpa.chunks_per_rank(balance))
+            gen = torch.Generator().manual_seed(0)
+            q, k, v, dout = (torch.randn(1, heads, c, head_dim, generator=gen) for _ in range(4))
+            scale = head_dim ** -0.5
+            for rank in range(cp):
+                blocks = [kind == "diagonal" for s in range(cp) for _, _, kind in schedule.pairs(rank, s)]
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for diagonal in blocks:
+                        out, lse = cpa._block_forward(q, k, v, scale, diagonal)
+                        cpa._block_backward(q, k, v, dout, out, lse, scale, diagonal)
+                    best = min(best, time.perf_counter() - start)
+                rows.append({"balance": balance, "cp": cp, "rank": rank, "seq_len": seq_len, "chunk": c,
+                             "blocks": len(blocks), "diagonal_blocks": sum(blocks),
+                             "forward_flops": schedule.flops(rank, 1, heads, seq_len, head_dim),
+                             "seconds": best})
+    finally:
+        torch.set_num_threads(threads)
+    prov = records.provenance("none", 1, "cpu", 1)
+    return [{**row, "provenance": prov} for row in rows]
+
+
+def cp_balance() -> list[Job]:
+    """The causal mask's work on each rank, contiguous chunks against zig-zag: counted from the
+    schedule and timed, at 8,192 tokens on 4 and 8 ranks."""
+    return [Job(f"ring blocks per rank, cp {cp}", _balance_records, dict(cp=cp, seq_len=8192)) for cp in (4, 8)]
+
+
+def _longest_records(cp: int, budget: int) -> list[dict]:
+    """The longest sequence (a multiple of SEQ_STEP) whose peak on every rank stays within
+    `budget`: predicted by the estimator, then measured by running it and the next length up."""
+    from multigpu.estimator import peak as est
+    from multigpu.estimator.accuracy import setup_of
+    from multigpu.launch import launch
+    from multigpu.maxbatch import peak_bytes
+
+    def estimated(seq: int) -> int:
+        cfg = _at(seq, cp)
+        record = {"config": cfg.to_dict(), "grid": cfg.grid.as_dict(),
+                  "provenance": {"backend": "gloo" if cfg.device == "cpu" else "nccl", "device_type": cfg.device,
+                                 "device_names": ["cpu"]}}
+        return est.estimate(setup_of(record), cfg.global_batch_size).per_rank_bytes["total"]
+
+    longest = 16384
+    predicted = max((s for s in range(SEQ_STEP, longest + 1, SEQ_STEP) if estimated(s) <= budget), default=0)
+    probes = {}
+    for seq in (predicted, predicted + SEQ_STEP):
+        if 0 < seq <= longest:
+            record = launch(_at(seq, cp).replace(steps=2), progress=False, check_memory=False)
+            probes[seq] = {"measured": peak_bytes(record), "estimated": estimated(seq)}
+    fits = [s for s, p in probes.items() if p["measured"] <= budget]
+    prov = records.provenance("gloo" if cp > 1 else "none", cp, "cpu", 1)
+    return [{"cp": cp, "budget_bytes": budget, "predicted": predicted, "measured": max(fits, default=None),
+             "resolved": predicted + SEQ_STEP in probes and probes[predicted + SEQ_STEP]["measured"] > budget,
+             "step": SEQ_STEP, "probes": {str(k): v for k, v in probes.items()}, "provenance": prov}]
+
+
+def cp_longest() -> list[Job]:
+    """The longest sequence a rank's memory takes on one device and on cp ranks (on a CPU, a
+    budget of CPU_BUDGET per rank stands in for a GPU's memory)."""
+    return [Job(f"longest sequence, cp {cp}", _longest_records, dict(cp=cp, budget=CPU_BUDGET))
+            for cp in (1, *_degrees()[:2])]
