@@ -294,3 +294,23 @@ def test_advise_cli_names_a_runnable_plan_and_the_machine():
     assert lines[0].startswith("recommended: ")
     assert lines[1].startswith("  run it: python -m multigpu run --strategy ")
     assert any(line.startswith("  machine: 8 x H100") for line in lines)
+
+
+def test_when_the_sequence_is_what_does_not_fit_the_advisor_cuts_it():
+    """gpt-long's states are a few MiB; one sample of 16,384 tokens keeps hundreds of MiB of
+    activations. On 4 GPUs of 150 MiB no sharding of the model states fits it, nor tensor
+    parallelism's cut, nor a pipeline's; FSDP with the sequence cut over the 4 ranks does, and the
+    advice says why, with the run's command."""
+    from multigpu.estimator.question import Setup
+
+    advice = advise(Setup("gpt-long", seq_len=16384, optimizer="adamw", backend="gloo"), gpus=4,
+                    memory_bytes=150 * 2**20)
+    assert advice.plan is not None and advice.plan.family == "ZeRO+CP", [p.label for p in advice.plans]
+    assert advice.plan.degrees["cp"] > 1 and "--cp" in advice.plan.command
+    assert all(p.degrees.get("cp", 1) > 1 for p in advice.plans), "only plans that cut the sequence fit"
+    assert any("the sequence is what does not fit" in r for r in advice.reasons)
+    assert advice.plan.time.comm_s["cp"] > 0  # the ring's bytes are timed
+    run = RunConfig.from_dict({**RunConfig().to_dict(), "strategy": "fsdp", "world_size": 4,
+                               "cp": advice.plan.degrees["cp"], "model": "gpt-long", "seq_len": 16384,
+                               "global_batch_size": advice.global_batch, "device": "cpu"})
+    run.validate()  # the plan is a run the package accepts

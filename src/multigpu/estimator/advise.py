@@ -5,8 +5,9 @@
    case, strategies in order, "the first on the list typically faster".
 2. `plans` lists every way the package can run the model on the machine: the data-parallel
    family (ddp, zero1, zero2, fsdp), and for the package's GPT tensor parallelism (tp alone,
-   fsdp with tp: 2D) within a node, and pipelines (pp-1f1b, pp-interleaved) with tensor- and
-   data-parallel ranks inside each stage (PP x TP, PP x FSDP, 3D). For each grid, every
+   fsdp with tp: 2D) within a node, context parallelism (fsdp with cp: the sequence cut over
+   the ranks of a node) and pipelines (pp-1f1b, pp-interleaved) with tensor- and data-parallel
+   ranks inside each stage (PP x TP, PP x FSDP, 3D). For each grid, every
    split of the global batch into micro-batches is tried; a plan fits if the estimator's
    peak per GPU (`multigpu.estimator.peak`, the most loaded pipeline rank) is within the GPU's
    memory, and is timed by the step model of `multigpu.estimator.step_time`.
@@ -61,7 +62,7 @@ GUIDE_NAMES = {"DDP": ("DDP",), "ZeRO": ("ZeRO",), "TP": ("TP", "ZeRO+TP"),
 # package's production ZeRO-3)
 ADVISED = tuple(name for name, s in STRATEGY_TABLE.items() if s.advised)
 # what a plan changes in the model and sends, least first: the order among plans equally fast
-SIMPLEST_FIRST = ("DDP", "ZeRO", "TP", "ZeRO+TP", "PP", "PP+DP", "PP+TP", "PP+TP+DP")
+SIMPLEST_FIRST = ("DDP", "ZeRO", "TP", "ZeRO+TP", "ZeRO+CP", "PP", "PP+DP", "PP+TP", "PP+TP+DP")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ class Plan:
             return "PP" + ("+TP" if d["tp"] > 1 else "") + ("+DP" if d["dp"] > 1 else "")
         if d["tp"] > 1:
             return "ZeRO+TP" if d["dp"] > 1 else "TP"
+        if d.get("cp", 1) > 1:
+            return "ZeRO+CP"
         return "DDP" if s == "ddp" else "ZeRO"
 
     @property
@@ -99,7 +102,8 @@ class Plan:
         d, s = self.degrees, self.setup.strategy
         if s in PIPELINES:
             return s + "".join(f" --{k} {d[k]}" for k in ("pp", "tp", "dp") if d[k] > 1)
-        return s + (f" --tp {d['tp']}" if d["tp"] > 1 and s != "tp" else "")
+        return s + (f" --tp {d['tp']}" if d["tp"] > 1 and s != "tp" else "") + (
+            f" --cp {d['cp']}" if d.get("cp", 1) > 1 else "")
 
     @property
     def command(self) -> str:
@@ -216,6 +220,12 @@ def advise(base: Setup, gpus: int | None = None, memory_bytes: int | None = None
     best = fitting[0]
     reasons.append(f"Fastest estimated plan for {global_batch} samples of {base.seq_len} tokens per step: "
                    f"{best.summary()}.")
+    if best.family == "ZeRO+CP":
+        one = estimate(replace(base, strategy="single", world_size=1, tp=1, pp=1, cp=1, grad_accum_steps=1), 1)
+        reasons.append(f"The guide predates context parallelism. Here the sequence is what does not fit: one sample of "
+                       f"{base.seq_len} tokens keeps {one.per_rank_bytes['activations'] / 2**30:.1f} GiB of "
+                       f"activations on one GPU, which no sharding of the model states cuts; {best.label} gives each "
+                       f"of {best.degrees['cp']} ranks its part of every sequence (chapter \"Context parallelism\").")
     agrees = best.family in GUIDE_NAMES[named[0]]
     reasons.append(f"The numbers {'agree with' if agrees else 'disagree with'} the guide's first choice, "
                    f"{named[0]}" + ("." if agrees else f": the fastest plan is {best.family}."))
@@ -310,7 +320,7 @@ def grids(base: Setup, machine: Machine) -> list[Setup]:
     from multigpu.models import family, tensor_parallel_problems
 
     n, per_node = machine.gpus, machine.gpus_per_node
-    plain = replace(base, world_size=n, tp=1, pp=1, grad_accum_steps=1)
+    plain = replace(base, world_size=n, tp=1, pp=1, cp=1, grad_accum_steps=1)
     if n == 1:
         return [replace(plain, strategy="single")]
     out = [replace(plain, strategy=s) for s in ADVISED]
@@ -321,6 +331,11 @@ def grids(base: Setup, machine: Machine) -> list[Setup]:
            and not tensor_parallel_problems(base.model, t, base.seq_len, False)]
     for t in tps:
         out.append(replace(plain, strategy="tp", tp=t) if t == n else replace(plain, strategy="fsdp", tp=t))
+    from multigpu.strategies.cp_attention import sequence_problem
+
+    for c in (c for c in _divisors(per_node) if c > 1 and n % c == 0):  # the ring talks in every layer: in a node
+        if not sequence_problem(base.seq_len, c, "zigzag"):
+            out.append(replace(plain, strategy="fsdp", cp=c))
     for p in (p for p in _divisors(n) if p > 1 and parts.layers % p == 0):
         for t in [1, *tps]:
             if n % (p * t):

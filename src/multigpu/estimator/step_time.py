@@ -61,6 +61,16 @@ def flops_per_sample(setup: Setup) -> float:
     return (per_param * shape.parameters + attention) * tokens
 
 
+def attention_share(setup: Setup) -> float:
+    """The share of a step's FLOPs that attention's scores and weighted sums take (the 12 L h s
+    per token of flops_per_sample): what a context-parallel ring's transfers can hide behind."""
+    if model_shape(setup.model).family != "gpt":
+        return 0.0
+    parts = gpt_parts(setup.model)
+    per_attention = 16 if setup.activation_checkpointing else 12
+    return per_attention * parts.layers * parts.d_model * setup.seq_len**2 / flops_per_sample(setup)
+
+
 def group_link(machine: Machine, size: int, stride: int) -> tuple[Link, float]:
     """The link a collective of `size` ranks `stride` apart runs on, and the share of its
     bandwidth each of the groups running at once gets. Ranks fill nodes in order, tp
@@ -100,7 +110,8 @@ def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool =
     if setup.world_size != machine.gpus:
         raise ConfigError(f"{setup.strategy} on {setup.world_size} ranks, but {machine.name} has {machine.gpus} GPUs")
     grid, kind = setup.grid, setup.strategy
-    dp, tp, pp, m = grid.dp, grid.tp, grid.pp, setup.grad_accum_steps
+    dp, tp, pp, cp, m = grid.dp, grid.tp, grid.pp, grid.cp, setup.grad_accum_steps
+    n = setup.replicas  # the ranks that hold the same piece of the model: dp, and cp (each holds it whole)
     compute = flops_per_sample(setup) * global_batch / (setup.world_size * machine.flops_per_s(setup.dtype))
     backward = compute * (6 / 8 if setup.activation_checkpointing else 2 / 3)  # backward (and recompute) FLOPs
     comm, exposed = {}, {}
@@ -110,28 +121,28 @@ def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool =
     grad_width = 2 if setup.dtype == "bf16-master" else 4
     weight_width = 2 if bf16_weights(setup) else 4  # what ZeRO-3 gathers (FSDP's mixed precision: bf16 copies)
     act_width = 2 if setup.dtype != "fp32" else 4  # activations between layers and stages
-    if dp > 1:  # the data-parallel collectives, once per step or per micro-batch
-        link, share = group_link(machine, dp, tp)
+    if n > 1:  # the data-parallel collectives, once per step or per micro-batch, over dp x cp ranks
+        link, share = group_link(machine, n, tp)
         grads, weights, units = params * grad_width, params * weight_width, max(s.blocks for s in shares) + 1
         buckets = max(1, math.ceil(grads / (setup.bucket_cap_mb * 2**20)))  # gradients go in buckets
         run = data_parallel_kind(setup)
         if run == "ddp":
-            seconds = link.seconds("all_reduce", grads, dp, share, calls=buckets)
+            seconds = link.seconds("all_reduce", grads, n, share, calls=buckets)
         elif run in ("zero1", "zero2"):
             scatters = m if run == "zero2" else 1  # ZeRO-2 keeps only its gradient shard between micro-batches
-            seconds = (link.seconds("reduce_scatter", scatters * grads, dp, share, calls=scatters * buckets)
-                       + link.seconds("all_gather", grads / dp, dp, share, calls=buckets))
+            seconds = (link.seconds("reduce_scatter", scatters * grads, n, share, calls=scatters * buckets)
+                       + link.seconds("all_gather", grads / n, n, share, calls=buckets))
         elif run in ("zero3", "fsdp"):
             gathers = 1 if (run == "fsdp" and not setup.reshard_after_forward) else 2  # per micro-batch, per unit
-            seconds = m * (link.seconds("all_gather", gathers * weights / dp, dp, share, calls=gathers * units)
-                           + link.seconds("reduce_scatter", grads, dp, share, calls=units))
+            seconds = m * (link.seconds("all_gather", gathers * weights / n, n, share, calls=gathers * units)
+                           + link.seconds("reduce_scatter", grads, n, share, calls=units))
         else:  # FSDP inside a pipeline stage: once per step
-            seconds = (link.seconds("all_gather", weights / dp, dp, share)
-                       + link.seconds("reduce_scatter", grads, dp, share))
+            seconds = (link.seconds("all_gather", weights / n, n, share)
+                       + link.seconds("reduce_scatter", grads, n, share))
         behind = STRATEGY_TABLE[run].overlap if run in STRATEGY_TABLE else "none"  # pp-fsdp: none
         hides = {"backward": backward, "all": compute}.get(behind, 0.0) if overlap else 0.0
         if run == "zero2":  # its all-gather after the step does not hide
-            after = link.seconds("all_gather", grads / dp, dp, share, calls=buckets)
+            after = link.seconds("all_gather", grads / n, n, share, calls=buckets)
             comm["dp"], exposed["dp"] = seconds, max(0.0, seconds - after - hides) + after
         else:
             comm["dp"], exposed["dp"] = seconds, max(0.0, seconds - hides)
@@ -144,6 +155,20 @@ def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool =
         per_block = 6 if setup.activation_checkpointing else 4
         calls = m * (per_block * max(s.blocks for s in shares) + 2)
         comm["tp"] = exposed["tp"] = link.seconds("all_reduce", calls * activation, tp, share, calls=calls)
+    if cp > 1:  # ring attention, per micro-batch and layer: keys and values round the ring forward, again
+        # backward with their gradients (cp_attention.sent_bytes_per_layer); each transfer overlaps the
+        # attention the rank computes meanwhile, so at most the attention's share of the compute hides it
+        from multigpu.strategies.cp_attention import sent_bytes_per_layer
+
+        parts = gpt_parts(setup.model)
+        per_layer = sent_bytes_per_layer("ring", cp, global_batch // (dp * m), parts.heads // tp, setup.seq_len,
+                                         parts.d_model // parts.heads, act_width)
+        link, share = group_link(machine, cp, tp)
+        calls = m * parts.layers * (3 * cp - 2)
+        seconds = link.seconds("send", m * parts.layers * (per_layer["forward"] + per_layer["backward"]), 2, share,
+                               calls=calls)
+        attention = compute * attention_share(setup) if overlap else 0.0
+        comm["cp"], exposed["cp"] = seconds, max(0.0, seconds - attention)
     bubble = 0.0
     if kind in PIPELINES:  # each micro-batch's activations forward and their gradients back, per stage crossed
         from multigpu.estimator.formulas import bubble_over_ideal
