@@ -174,7 +174,13 @@ def test_pytorchs_context_parallel_is_refused_off_cuda_with_the_reason():
     attend to its own tokens, silently wrong; the strategy says so and names the one that runs."""
     from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
+    from multigpu.launch import launch
+
     assert all("_for_cpu" not in str(op) for op in torch_cp.custom_ops)  # what the refusal rests on
-    message = refused(strategy="cp", world_size=2, device="cpu")
-    assert "replaces only CUDA attention kernels" in message and "--strategy cp-scratch" in message
-    assert "not 'ulysses'" in refused(strategy="cp", world_size=2, device="cpu", extra={"cp_attention": "ulysses"})
+    for device in ("cpu", "auto"):  # this machine has no GPU: auto cannot fall back to the CPU either
+        with pytest.raises(ConfigError) as info:
+            launch(RunConfig(strategy="cp", world_size=2, device=device), progress=False)
+        message = str(info.value)
+        assert "replaces only CUDA attention kernels" in message and "--strategy cp-scratch" in message, message
+        assert "this machine has 0" in message
+    assert "not 'ulysses'" in refused(strategy="cp", world_size=2, extra={"cp_attention": "ulysses"})

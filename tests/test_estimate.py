@@ -308,7 +308,8 @@ _held_out = RunCache(lambda: [RunConfig(steps=3, dataset="dummy", **changes) for
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("changes", HELD_OUT, ids=lambda c: f"{c['model']}-{c['strategy']}-{c['world_size']}{'-cp' + str(c['cp']) if 'cp' in c else ''}")
+@pytest.mark.parametrize("changes", HELD_OUT, ids=lambda c: f"{c['model']}-{c['strategy']}-{c['world_size']}"
+                                                           + (f"-cp{c['cp']}" if "cp" in c else ""))
 def test_estimated_peak_agrees_with_fresh_runs_it_was_not_fitted_to(changes):
     from multigpu.estimator.accuracy import against_records
 

@@ -210,7 +210,8 @@ def test_gpu_records_are_shaped_like_the_gpu_path(gpu_results, server):
     assert runs == sum(len(cfgs) for e, cfgs in made.items() if (folder / tag / f"{e}.jsonl").exists()) > 0
 
 
-RUN_SPMD = {"collectives_bandwidth", "link_model", "tp_width", "tp_collectives", "pp_bubble", "async_staleness"}
+RUN_SPMD = {"collectives_bandwidth", "link_model", "tp_width", "tp_collectives", "pp_bubble", "async_staleness",
+            "cp_balance"}  # (cp_balance: the ring's blocks replayed in one CPU process, by design)
 ONE_DEVICE = {"one_device_memory", "one_device_techniques", "machine_peak", "t5_largest_batch"}
 
 

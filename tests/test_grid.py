@@ -114,11 +114,12 @@ def test_every_committed_run_record_states_its_grid(committed_records):
     for record in runs:
         c, grid = record["config"], record.get("grid")
         assert grid is not None, f"a {c['strategy']} record states no grid"
-        assert grid["dp"] * grid["pp"] * grid["tp"] == c["world_size"], (c["strategy"], c["world_size"], grid)
+        assert grid["dp"] * grid["pp"] * grid["tp"] * grid.get("cp", 1) == c["world_size"], (
+            c["strategy"], c["world_size"], grid)
         spans = STRATEGY_TABLE[c["strategy"]].spans
-        if spans in ("tp", "pp"):
-            assert grid[spans] > 1, (c["strategy"], grid)
-        for d in ("tp", "pp", "dp"):
+        if spans in ("tp", "pp", "cp"):
+            assert grid.get(spans, 1) > 1, (c["strategy"], grid)
+        for d in ("tp", "pp", "dp", "cp"):
             if (c.get(d) or 1) > 1:
                 assert grid[d] == c[d], (c["strategy"], d, grid)
         assert grid == RunConfig.from_dict(c).grid.as_dict()

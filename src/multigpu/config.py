@@ -195,7 +195,8 @@ class RunConfig:
 
         problems = context_problems(self)
         if problems:
-            raise ConfigError(f"cp={self.degrees.get('cp', 1)} cannot cut {self.model}'s sequences: " + "; ".join(problems))
+            raise ConfigError(f"cp={self.degrees.get('cp', 1)} cannot cut {self.model}'s sequences: "
+                              + "; ".join(problems))
         _check_run_options(self)
         import importlib
 

@@ -129,7 +129,7 @@ class DevicePlan:
 
 
 def plan_devices(requested: str, *, processes: int, gpus: int, replicas: int = 1, nnodes: int = 1,
-                 nodes_here: int = 1, node_rank: int = 0) -> DevicePlan:
+                 nodes_here: int = 1, node_rank: int = 0, cuda_only: str | None = None) -> DevicePlan:
     """The one rule for devices, a pure function of what a launch is and what the machine has.
 
     requested: "auto", "cpu" or "cuda" (already resolved against MULTIGPU_DEVICE).
@@ -142,7 +142,8 @@ def plan_devices(requested: str, *, processes: int, gpus: int, replicas: int = 1
     NCCL refuses two ranks of one communicator on one GPU, and DataParallel needs a GPU per
     replica: CUDA is used only with a GPU for every rank (or replica) on this machine. Asked
     for by name and short of GPUs, the plan is refused with the count; `auto` falls back to the
-    CPU and gloo, and says why."""
+    CPU and gloo, and says why. `cuda_only`: why the run needs CUDA (a strategy that cannot run on
+    a CPU), which then refuses the CPU instead of falling back to it."""
     if requested not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {requested!r}")
     for name, value in (("processes", processes), ("replicas", replicas), ("nnodes", nnodes),
@@ -157,6 +158,9 @@ def plan_devices(requested: str, *, processes: int, gpus: int, replicas: int = 1
     needed = per_node * nodes_here  # GPUs this machine must have, one per rank or replica
     what = (f"{replicas} replicas" if replicas > 1 else f"{processes} process(es)") + (
         f" on each of {nodes_here} nodes on this machine" if nodes_here > 1 else "")
+    if cuda_only and (requested == "cpu" or gpus < needed):
+        raise ValueError(f"{cuda_only}. It needs a CUDA GPU for each of {what} ({needed} in all); this machine has "
+                         f"{gpus}" + (" and device='cpu' was asked" if requested == "cpu" else ""))
     if requested == "cpu":
         return DevicePlan("cpu", "gloo", (), "gloo on CPU (as asked)")
     if gpus >= needed:
@@ -194,7 +198,8 @@ def device_plan(cfg, *, nnodes: int = 1, node_rank: int = 0, nodes_here: int = 1
     return plan_devices(resolve_requested(cfg.device), processes=cfg.processes // nnodes,
                         replicas=cfg.world_size if one_process else 1,
                         gpus=machine_gpus() if gpus is None else gpus,
-                        nnodes=nnodes, nodes_here=nodes_here, node_rank=node_rank)
+                        nnodes=nnodes, nodes_here=nodes_here, node_rank=node_rank,
+                        cuda_only=cfg.info.cuda_only and f"strategy {cfg.strategy!r}: {cfg.info.cuda_only}")
 
 
 def choose_device(requested: str, world_size: int) -> tuple[str, str, str]:

@@ -27,6 +27,7 @@ class Strategy:
     # None: fp16-mixed (float16 autocast with torch.amp.GradScaler) is right with it; otherwise why not
     fp16_refusal: str | None = "its gradients or its step are not the plain ones GradScaler expects"
     checkpoints_itself: bool = False  # applies activation checkpointing at its own place in compose's order
+    cuda_only: str | None = None  # why it runs on CUDA GPUs only (the device plan refuses the CPU), if it does
     advised: bool = False  # one of the data-parallel plans the advisor weighs (strategies the estimator models)
 
 
@@ -117,7 +118,11 @@ STRATEGY_TABLE: dict[str, Strategy] = {
     "cp": Strategy("cp", "context parallel with PyTorch's context_parallel (CUDA GPUs only: it replaces CUDA's "
                          "attention kernels); ring or all-gather, head-tail (with --dp: dp x cp)",
                    "activations: each rank holds its part of every sequence", zero_stage=None, spans="cp",
-                   combines=("dp",), overlap="backward", fp16_refusal=_CP_FP16),
+                   combines=("dp",), overlap="backward", fp16_refusal=_CP_FP16,
+                   cuda_only="PyTorch's context_parallel replaces only CUDA attention kernels (flash, "
+                             "memory-efficient, cuDNN): on a CPU each rank would attend to its own tokens only; "
+                             "use --strategy cp-scratch, this package's context parallelism, which runs on any "
+                             "device"),
 }
 
 # name -> one-line description (what the CLI and the book list)

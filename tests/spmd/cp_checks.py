@@ -29,7 +29,7 @@ def attention_checks(variants=cpa.VARIANTS, balances=cpa.BALANCES, seed: int = 0
         ref = F.scaled_dot_product_attention(*leaves, is_causal=causal)
         ref.backward(dout)
         for balance in balances:
-            def mine(t):
+            def mine(t, balance=balance):
                 return cpa.split_sequence(t.detach(), -2, cp, rank, balance)
 
             for variant in variants:

@@ -106,11 +106,13 @@ def _longest_records(cp: int, budget: int) -> list[dict]:
     from multigpu.launch import launch
     from multigpu.maxbatch import peak_bytes
 
+    device = _base(SEQ_STEP).device
+    backend = ("gloo" if device == "cpu" else "nccl") if cp > 1 else "none"
+    prov = records.provenance(backend, cp, device, _base(SEQ_STEP).threads_per_worker or 1)  # where the runs go
+
     def estimated(seq: int) -> int:
         cfg = _at(seq, cp)
-        record = {"config": cfg.to_dict(), "grid": cfg.grid.as_dict(),
-                  "provenance": {"backend": "gloo" if cfg.device == "cpu" else "nccl", "device_type": cfg.device,
-                                 "device_names": ["cpu"]}}
+        record = {"config": cfg.to_dict(), "grid": cfg.grid.as_dict(), "provenance": prov}
         return est.estimate(setup_of(record), cfg.global_batch_size).per_rank_bytes["total"]
 
     longest = 16384
@@ -121,7 +123,6 @@ def _longest_records(cp: int, budget: int) -> list[dict]:
             record = launch(_at(seq, cp).replace(steps=2), progress=False, check_memory=False)
             probes[seq] = {"measured": peak_bytes(record), "estimated": estimated(seq)}
     fits = [s for s, p in probes.items() if p["measured"] <= budget]
-    prov = records.provenance("gloo" if cp > 1 else "none", cp, "cpu", 1)
     return [{"cp": cp, "budget_bytes": budget, "predicted": predicted, "measured": max(fits, default=None),
              "resolved": predicted + SEQ_STEP in probes and probes[predicted + SEQ_STEP]["measured"] > budget,
              "step": SEQ_STEP, "probes": {str(k): v for k, v in probes.items()}, "provenance": prov}]

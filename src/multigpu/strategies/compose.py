@@ -62,7 +62,7 @@ def parallelize(model: nn.Module, cfg, grid, *, shard: bool, root: nn.Module | N
     if shard:  # 4. data parallel, sharded (or hybrid: sharded in groups, the groups replicas)
         replicas = int(extra.get("replicas", 1))
         dp_mesh = grid.mesh["dp"] if replicas == 1 else hybrid_mesh(grid, replicas)
-        if grid.size("cp") > 1:  # every cp rank holds the whole model too: shard over dp x cp (torchtitan's dp_shard_cp)
+        if grid.size("cp") > 1:  # each cp rank holds the whole model too: shard over dp x cp (torchtitan's dp_shard_cp)
             dp_mesh = grid.mesh["dp", "cp"]._flatten("dp_cp")
         fully_shard_blocks(model, dp_mesh, cfg, root=root, reshard_after_forward=reshard_after_forward)
     if grid.size("cp") > 1:  # the sequence cut last, outside: the wrapper only slices batches and sums losses

@@ -7,8 +7,8 @@ replaces `scaled_dot_product_attention` by a ring over the mesh's ranks, forward
 It replaces the attention kernels by name, CUDA's only (flash, memory-efficient, cuDNN; in
 torch/distributed/tensor/experimental/_context_parallel/_attention.py, `custom_ops`): on a CPU
 attention runs another kernel, which it would leave alone, each rank attending to its own tokens
-only. So this strategy is refused off CUDA; `cp-scratch` is the same idea written here, on any
-device.
+only. So the device plan refuses it off CUDA (the strategy table's `cuda_only`); `cp-scratch`
+is the same idea written here, on any device.
 
 Each micro-batch's forward and backward run inside the context (Parallelized's
 `around_micro_batch`). As in cp-scratch, every rank holds the whole model, reports the whole
@@ -27,19 +27,10 @@ ROTATION = {"ring": "alltoall", "allgather": "allgather"}  # this package's name
 
 
 def config_problems(cfg) -> list[str]:
-    from multigpu.runtime import device_plan
-
+    """What RunConfig.validate reports; the device, which is the machine's to say, the device plan
+    checks (the strategy table's `cuda_only`: it refuses a CPU before any process starts)."""
     variant, balance = cp_scratch.options(cfg)
     problems = []
-    try:
-        device = device_plan(cfg).device
-    except ValueError:
-        device = cfg.device  # the device plan's own refusal is reported by launch
-    if device != "cuda":
-        problems.append("PyTorch's context_parallel replaces only CUDA attention kernels (flash, memory-efficient, "
-                        "cuDNN): on the CPU each rank would attend to its own tokens only; it needs a CUDA GPU per "
-                        "rank and NCCL. Use --strategy cp-scratch, this package's context parallelism, which runs on "
-                        "any device")
     if variant not in ROTATION:
         problems.append(f"PyTorch's context parallelism offers {' and '.join(ROTATION)}, not {variant!r} (Ulysses "
                         "is cp-scratch's)")
