@@ -8,8 +8,8 @@ CP_COLORS = [BLUE, ORANGE, GREEN, RED]
 
 
 def activations_by_sequence(rows: list[dict], records, title="Activations per rank as the sequence grows"):
-    """rows: {"seq_len", "cp", "measured", "estimated"} (bytes of activations on rank 0): one
-    line per cp, measured solid, the estimator's dashed."""
+    """rows: {"seq_len", "cp", "measured", "estimated"} (bytes forward saved for backward on rank
+    0): one line per cp, measured solid, the estimator's dashed."""
     fig, (ax,) = _figure(records)
     degrees = sorted({r["cp"] for r in rows})
     for i, cp in enumerate(degrees):
@@ -24,7 +24,7 @@ def activations_by_sequence(rows: list[dict], records, title="Activations per ra
     ax.set_yscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("MiB of activations, rank 0")
+    ax.set_ylabel("MiB saved for backward, rank 0")
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=2)
     return fig
