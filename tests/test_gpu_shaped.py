@@ -189,8 +189,8 @@ def test_gpu_records_are_shaped_like_the_gpu_path(gpu_results, server):
             p = r["provenance"]
             assert p["machine_tag"] == tag and p["device_type"] == "cuda" and p["cuda"] and p["nccl"]
             assert p["device_names"] == [name] * gpus
-            if "loss" not in r:  # largest_batch: a job's measurement, probes of runs
-                assert r["per_rank_batch"] > 0 and r["probes"]
+            if "loss" not in r:  # largest_batch, cp_longest: a job's measurement, probes of runs
+                assert r["probes"] and (r["per_rank_batch"] > 0 if "per_rank_batch" in r else r["predicted"] > 0)
                 continue
             runs += path.stem in made  # (compositions: a job whose measurements are runs)
             cfg = RunConfig.from_dict(r["config"])
@@ -211,7 +211,8 @@ def test_gpu_records_are_shaped_like_the_gpu_path(gpu_results, server):
 
 
 RUN_SPMD = {"collectives_bandwidth", "link_model", "tp_width", "tp_collectives", "pp_bubble", "async_staleness",
-            "cp_balance"}  # (cp_balance: the ring's blocks replayed in one CPU process, by design)
+            "cp_balance", "cp_timeline", "cp_longest"}  # the CPU by design (cp_balance: the ring's blocks replayed
+# in one process; cp_longest: a CPU budget for gpt-long, whose positions fit any GPU)
 ONE_DEVICE = {"one_device_memory", "one_device_techniques", "machine_peak", "t5_largest_batch"}
 
 

@@ -106,12 +106,13 @@ def _longest_records(cp: int, budget: int) -> list[dict]:
     from multigpu.launch import launch
     from multigpu.maxbatch import peak_bytes
 
-    device = _base(SEQ_STEP).device
-    backend = ("gloo" if device == "cpu" else "nccl") if cp > 1 else "none"
-    prov = records.provenance(backend, cp, device, _base(SEQ_STEP).threads_per_worker or 1)  # where the runs go
+    prov = records.provenance("gloo" if cp > 1 else "none", cp, "cpu", 1)  # where the runs go
+
+    def on_cpu(seq: int) -> RunConfig:
+        return _at(seq, cp).replace(device="cpu", threads_per_worker=1)
 
     def estimated(seq: int) -> int:
-        cfg = _at(seq, cp)
+        cfg = on_cpu(seq)
         record = {"config": cfg.to_dict(), "grid": cfg.grid.as_dict(), "provenance": prov}
         return est.estimate(setup_of(record), cfg.global_batch_size).per_rank_bytes["total"]
 
@@ -120,7 +121,7 @@ def _longest_records(cp: int, budget: int) -> list[dict]:
     probes = {}
     for seq in (predicted, predicted + SEQ_STEP):
         if 0 < seq <= longest:
-            record = launch(_at(seq, cp).replace(steps=2), progress=False, check_memory=False)
+            record = launch(on_cpu(seq).replace(steps=2), progress=False, check_memory=False)
             probes[seq] = {"measured": peak_bytes(record), "estimated": estimated(seq)}
     fits = [s for s, p in probes.items() if p["measured"] <= budget]
     return [{"cp": cp, "budget_bytes": budget, "predicted": predicted, "measured": max(fits, default=None),
@@ -129,7 +130,63 @@ def _longest_records(cp: int, budget: int) -> list[dict]:
 
 
 def cp_longest() -> list[Job]:
-    """The longest sequence a rank's memory takes on one device and on cp ranks (on a CPU, a
-    budget of CPU_BUDGET per rank stands in for a GPU's memory)."""
+    """The longest sequence a rank's memory takes on one device and on cp ranks: on the CPU, with
+    a budget of CPU_BUDGET per rank standing in for a GPU's memory (on a GPU server too: gpt-long's
+    16,384 positions fit any GPU, so a GPU's own memory would never decide it)."""
     return [Job(f"longest sequence, cp {cp}", _longest_records, dict(cp=cp, budget=CPU_BUDGET))
             for cp in (1, *_degrees()[:2])]
+
+
+def ring_timeline(seq_len: int, balance: str, repeats: int = 2) -> dict:
+    """Inside a process group of cp ranks: one ring attention layer of gpt-long's shape, forward
+    and backward, causal, each ring step's computation timed (cp_attention.EVENTS); the last of
+    `repeats` (the first warms up), its events from this rank's start."""
+    import torch
+    import torch.distributed as dist
+
+    from multigpu.models import GPT_SIZES
+    from multigpu.strategies import cp_attention as cpa
+
+    config = GPT_SIZES[MODEL]
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    shape = (1, config.n_head, seq_len // cp, config.d_model // config.n_head)
+    q, k, v, dout = (torch.randn(*shape, generator=gen) for _ in range(4))
+    for _ in range(repeats):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        dist.barrier()
+        cpa.EVENTS = []
+        start_unix, start = time.time(), time.perf_counter()
+        try:
+            cpa.attention(*leaves, group=dist.group.WORLD, variant="ring", balance=balance, causal=True).backward(dout)
+            events = [{**e, "start_s": e["start"] - start, "end_s": e["end"] - start} for e in cpa.EVENTS]
+        finally:
+            cpa.EVENTS = None
+        total = time.perf_counter() - start
+    return {"balance": balance, "cp": cp, "seq_len": seq_len, "events": events, "step_start_unix": start_unix,
+            "total_s": total}
+
+
+def _timeline_records(cp: int, seq_len: int) -> list[dict]:
+    from multigpu.spmd import run_spmd
+
+    prov = records.provenance("gloo", cp, "cpu", 1)
+    out = []
+    for balance in ("contiguous", "zigzag"):
+        by_rank = run_spmd("multigpu.experiments.context_parallel:ring_timeline", cp, threads=1, seq_len=seq_len,
+                           balance=balance)
+        out.append({**{k: v for k, v in by_rank[0].items() if k not in ("events", "step_start_unix", "total_s")},
+                    "events_by_rank": [r["events"] for r in by_rank],
+                    "step_start_unix_by_rank": [r["step_start_unix"] for r in by_rank],
+                    "total_s_by_rank": [r["total_s"] for r in by_rank], "provenance": prov})
+    return out
+
+
+def cp_timeline() -> list[Job]:
+    """One causal ring attention layer, forward and backward, every rank's computation per ring
+    step on a timeline, contiguous chunks and zig-zag: as many ranks as cores, 2 to 4 (one
+    thread each, as one GPU a rank; more processes than cores would share them and blur it)."""
+    import os
+
+    cp = max(2, min(4, os.cpu_count() or 2))
+    return [Job(f"ring timeline, cp {cp}", _timeline_records, dict(cp=cp, seq_len=8192))]

@@ -22,7 +22,7 @@ import torch
 from multigpu import records
 from multigpu.experiments.collectives import async_staleness, collectives_bandwidth, link_model
 from multigpu.experiments.compositions import compositions
-from multigpu.experiments.context_parallel import cp_balance, cp_longest, cp_memory, cp_variants
+from multigpu.experiments.context_parallel import cp_balance, cp_longest, cp_memory, cp_timeline, cp_variants
 from multigpu.experiments.data_parallel import ddp_buckets, ddp_learning, ddp_scaling, ddp_vs_scratch, dp_vs_ddp
 from multigpu.experiments.machine import Job, on_gpus
 from multigpu.experiments.model_parallel import (
@@ -70,6 +70,7 @@ EXPERIMENTS = {
     "cp_variants": cp_variants,
     "cp_balance": cp_balance,
     "cp_longest": cp_longest,
+    "cp_timeline": cp_timeline,
 }
 
 

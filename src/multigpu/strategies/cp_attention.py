@@ -32,6 +32,8 @@ NCCL).
 from __future__ import annotations
 
 import math
+import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -142,6 +144,22 @@ def _chunks(x, n, dim=-2):
 
 # -- ring ----------------------------------------------------------------------------------
 
+# None, or a list the ring appends each step's computation to, {"action": "F" (forward) or "B"
+# (backward), "micro": whose keys and values, "start"/"end": time.perf_counter()}: the chapter's
+# timeline of one ring (experiments.context_parallel.ring_timeline); the gaps are the waits
+EVENTS: list[dict] | None = None
+
+
+@contextmanager
+def _recorded(action: str, source: int):
+    if EVENTS is None:
+        yield
+        return
+    start = time.perf_counter()
+    yield
+    EVENTS.append({"action": action, "stage": 0, "micro": source, "start": start, "end": time.perf_counter()})
+
+
 def _exchange(send: torch.Tensor, group, tag: int):
     """Send `send` to the next rank of the ring and receive the previous rank's into a new
     tensor; returns (work handles, the receive buffer). The tag keeps the two rings of backward
@@ -178,9 +196,10 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:  # pass them on while computing with them
                 works, incoming = _exchange(kv, group, tag=0)
             ks, vs = _chunks(kv[0], n), _chunks(kv[1], n)
-            for i, j, kind in schedule.pairs(rank, source):
-                o, lse = _block_forward(qs[i], ks[j], vs[j], scale, kind == "diagonal")
-                outs[i], lses[i] = _merge(outs[i], lses[i], o, lse)
+            with _recorded("F", source):
+                for i, j, kind in schedule.pairs(rank, source):
+                    o, lse = _block_forward(qs[i], ks[j], vs[j], scale, kind == "diagonal")
+                    outs[i], lses[i] = _merge(outs[i], lses[i], o, lse)
             if step < cp - 1:
                 _wait(works)
                 kv = incoming
@@ -207,12 +226,13 @@ class RingAttention(torch.autograd.Function):
             ks, vs = _chunks(kv[0], n), _chunks(kv[1], n)
             part = torch.zeros_like(kv)  # this rank's share of source's key and value gradients
             dks, dvs = part[0].chunk(n, dim=-2), part[1].chunk(n, dim=-2)  # views: += fills part
-            for i, j, kind in schedule.pairs(rank, source):
-                dq, dk, dv = _block_backward(qs[i], ks[j], vs[j], douts[i], outs[i], lses[i], scale,
-                                             kind == "diagonal")
-                dqs[i] += dq
-                dks[j].add_(dk)
-                dvs[j].add_(dv)
+            with _recorded("B", source):
+                for i, j, kind in schedule.pairs(rank, source):
+                    dq, dk, dv = _block_backward(qs[i], ks[j], vs[j], douts[i], outs[i], lses[i], scale,
+                                                 kind == "diagonal")
+                    dqs[i] += dq
+                    dks[j].add_(dk)
+                    dvs[j].add_(dv)
             if dkv_works is not None:  # the shares of the ranks before, for the same source
                 _wait(dkv_works)
                 part += dkv
