@@ -78,7 +78,7 @@ def _brute_force_blocks(cp: int, balance: str, rank: int) -> int:
     mask of the whole sequence itself (not from the schedule's rule)."""
     per = cp * cpa.chunks_per_rank(balance)
     seq = per * 3  # three tokens a chunk
-    pos = [int(p) for p in range(seq)]
+    pos = range(seq)
     mine = cpa.positions(seq, cp, rank, balance).tolist()
     blocks = set()
     for q in mine:

@@ -17,7 +17,7 @@ under a pipeline, the estimate is that of the most loaded rank, which is what mu
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from multigpu.errors import ConfigError
 from multigpu.estimator.model_trace import model_shape
@@ -295,3 +295,18 @@ def predict_largest_batch(setup: Setup, memory_bytes: int, calibration=None) -> 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return estimate(setup, lo * step)
+
+
+def predict_longest_sequence(setup: Setup, global_batch: int, memory_bytes: int, step: int, limit: int) -> int:
+    """Predicted (experiments.context_parallel.cp_longest measures it): the longest sequence, a
+    multiple of `step` up to `limit` (the model's positions), whose peak per rank with
+    `global_batch` samples fits `memory_bytes`; 0 if not even `step` tokens fit. The peak grows
+    with the sequence, so a bisection finds it in a few estimates."""
+    def fits(seq: int) -> bool:
+        return estimate(replace(setup, seq_len=seq), global_batch).per_rank_bytes["total"] <= memory_bytes
+
+    lo, hi = 0, limit // step + 1  # in steps: lo fits (0: none yet), hi does not (past the limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step

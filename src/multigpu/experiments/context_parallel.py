@@ -105,6 +105,7 @@ def _longest_records(cp: int, budget: int) -> list[dict]:
     from multigpu.estimator.accuracy import setup_of
     from multigpu.launch import launch
     from multigpu.maxbatch import peak_bytes
+    from multigpu.models import GPT_SIZES
 
     prov = records.provenance("gloo" if cp > 1 else "none", cp, "cpu", 1)  # where the runs go
 
@@ -116,8 +117,10 @@ def _longest_records(cp: int, budget: int) -> list[dict]:
         record = {"config": cfg.to_dict(), "grid": cfg.grid.as_dict(), "provenance": prov}
         return est.estimate(setup_of(record), cfg.global_batch_size).per_rank_bytes["total"]
 
-    longest = 16384
-    predicted = max((s for s in range(SEQ_STEP, longest + 1, SEQ_STEP) if estimated(s) <= budget), default=0)
+    first = on_cpu(SEQ_STEP)
+    longest = GPT_SIZES[MODEL].seq_len
+    setup = setup_of({"config": first.to_dict(), "grid": first.grid.as_dict(), "provenance": prov})
+    predicted = est.predict_longest_sequence(setup, first.global_batch_size, budget, SEQ_STEP, longest)
     probes = {}
     for seq in (predicted, predicted + SEQ_STEP):
         if 0 < seq <= longest:

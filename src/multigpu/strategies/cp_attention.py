@@ -110,7 +110,7 @@ def _block_forward(q, k, v, scale, diagonal):
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, diagonal,
                                                                                scale=scale)
         return out, lse[..., :q.shape[-2]].float()  # (its log-sum-exp comes padded to a multiple of 32 rows)
-    return _block_forward_math(q, k, v, scale, diagonal)
+    raise AssertionError(f"no fused kernel on {q.device.type}")  # _fused admits only the two above
 
 
 def _block_backward(q, k, v, dout, out, lse, scale, diagonal):
@@ -127,7 +127,7 @@ def _block_backward(q, k, v, dout, out, lse, scale, diagonal):
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, padded, none, none, 0.0, [True, True, True, False], diagonal, scale=scale)
         return dq, dk, dv
-    return _block_backward_math(q, k, v, dout, out, lse, scale, diagonal)
+    raise AssertionError(f"no fused kernel on {q.device.type}")  # _fused admits only the two above
 
 
 def _tokens_major(x):
@@ -310,26 +310,17 @@ def _heads_to_tokens(x, cp, group):
     return x.transpose(0, 1).reshape(b, cp * hc, ct // cp, d)
 
 
-class _TokensToHeads(torch.autograd.Function):
+class _Reshard(torch.autograd.Function):
+    """One of the two all-to-alls (`there`), whose gradient goes back through the other (`back`)."""
+
     @staticmethod
-    def forward(ctx, x, cp, group):
-        ctx.cp, ctx.group = cp, group
-        return _tokens_to_heads(x, cp, group)
+    def forward(ctx, x, cp, group, there, back):
+        ctx.cp, ctx.group, ctx.back = cp, group, back
+        return there(x, cp, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_tokens(grad, ctx.cp, ctx.group), None, None
-
-
-class _HeadsToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cp, group):
-        ctx.cp, ctx.group = cp, group
-        return _heads_to_tokens(x, cp, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _tokens_to_heads(grad, ctx.cp, ctx.group), None, None
+        return ctx.back(grad, ctx.cp, ctx.group), None, None, None, None
 
 
 def ulysses_attention(q, k, v, group, schedule: ChunkSchedule):
@@ -337,13 +328,13 @@ def ulysses_attention(q, k, v, group, schedule: ChunkSchedule):
     gathered tokens come in the ranks' layout order; they are put in sequence order for the
     causal mask and back after."""
     cp = dist.get_world_size(group)
-    q, k, v = (_TokensToHeads.apply(t, cp, group) for t in (q, k, v))
+    q, k, v = (_Reshard.apply(t, cp, group, _tokens_to_heads, _heads_to_tokens) for t in (q, k, v))
     seq_len = q.shape[-2]
     order = torch.cat([positions(seq_len, cp, r, schedule.balance, q.device) for r in range(cp)])
     unsort = torch.argsort(order)  # gathered index of the token at each sequence position
     q, k, v = (t.index_select(-2, unsort) for t in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=schedule.causal)
-    return _tokens_major(_HeadsToTokens.apply(y.index_select(-2, order), cp, group))
+    return _tokens_major(_Reshard.apply(y.index_select(-2, order), cp, group, _heads_to_tokens, _tokens_to_heads))
 
 
 # -- the one entry point -------------------------------------------------------------------

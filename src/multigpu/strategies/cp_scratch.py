@@ -28,11 +28,10 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu.strategies import Parallelized, build_optimizer
+from multigpu.strategies import Parallelized
 from multigpu.strategies import cp_attention as cpa
 
 
@@ -140,30 +139,12 @@ def parallelize(model: nn.Module, cfg, grid) -> ContextParallel:
     return ContextParallel(model, group, balance)
 
 
-def config_problems(cfg) -> list[str]:
-    return []  # context_problems, which RunConfig.validate asks of every run with cp > 1
-
-
 def replicas(model, module, cfg, **calls) -> Parallelized:
-    """`module` (the model, its sequences cut) trained by ranks that each hold the whole model:
-    the same starting weights everywhere, the gradients averaged over every rank in buckets
-    overlapped with backward (ddp-scratch's), then the update. `calls`: more of Parallelized's."""
-    from multigpu.strategies.ddp_scratch import GradBuckets
+    """`module` (the model, its sequences cut) trained as ddp-scratch trains replicas, over every
+    rank: each holds the whole model, dp x cp replicas of it. `calls`: more of Parallelized's."""
+    from multigpu.strategies.ddp_scratch import replicated
 
-    group = dist.group.WORLD  # every rank holds the whole model: dp x cp replicas of it
-    with torch.no_grad():  # the same starting point everywhere: rank 0's weights
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor, group=group, group_src=0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    buckets = GradBuckets(params, group, cfg.bucket_cap_mb)
-    optimizer = build_optimizer(params, cfg)
-
-    def step():
-        buckets.finish()
-        optimizer.step()
-
-    return Parallelized(module=module, optimizer=optimizer, model=model, no_sync=buckets.no_sync, step=step,
-                        tracked=buckets.flat, **calls)
+    return replicated(model, module, cfg, dist.group.WORLD, **calls)
 
 
 def prepare(model, cfg, rt) -> Parallelized:

@@ -125,7 +125,15 @@ def prepare(model, cfg, rt) -> Parallelized:
         gather = partial(sliced_state_dict, model, tp_group)
         if sp:
             tp_step = partial(tp_scratch.sync_sequence_parallel_grads, model, tp_group)
-    group = rt.grid.group("dp")
+    # no wrapper: forward is the plain model's (or tp_scratch's, with --tp)
+    return replicated(model, module, cfg, rt.grid.group("dp"), before_step=tp_step, gather_state_dict=gather)
+
+
+def replicated(model, module, cfg, group, before_step=lambda: None, **calls) -> Parallelized:
+    """`model` trained by the ranks of `group`, each holding the same parameters (or the same
+    shards), `module` the call that computes its loss: steps 1-3 above. before_step: what must
+    happen between the averaged gradients and the update (sequence parallelism's sums); `calls`:
+    more of Parallelized's fields (also what context parallelism, cp_scratch, trains with)."""
     with torch.no_grad():  # 1. same starting point everywhere: the group's first rank's weights
         for tensor in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(tensor, group=group, group_src=0)
@@ -135,15 +143,8 @@ def prepare(model, cfg, rt) -> Parallelized:
 
     def step():
         buckets.finish()  # 3. wait for the last all-reduces, then update with the averages
-        tp_step()  # sequence parallelism: sum the sequence slices' gradients over the tp group
+        before_step()
         optimizer.step()
 
-    return Parallelized(
-        module=module,  # no wrapper: forward is the plain model's (or tp_scratch's, with --tp)
-        optimizer=optimizer,
-        model=model,
-        no_sync=buckets.no_sync,
-        step=step,
-        tracked=buckets.flat,
-        gather_state_dict=gather,
-    )
+    return Parallelized(module=module, optimizer=optimizer, model=model, no_sync=buckets.no_sync, step=step,
+                        tracked=buckets.flat, **calls)
