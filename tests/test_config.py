@@ -71,13 +71,11 @@ def test_unknown_choice_lists_the_choices(field, label, allowed):
     message = refused(**{field: "no-such-thing"})
     assert f"unknown {label} 'no-such-thing'" in message
     assert "choose one of: " + ", ".join(allowed) in message
-    # and every listed choice is accepted (for strategy: with a world size it allows, and for a
-    # pipeline schedule, blocks and micro-batches enough for its stages: gpt-mini has 4 blocks)
+    # and every listed choice is accepted (for strategy: with a world size it allows, and what the
+    # strategy says it needs: a pipeline schedule's blocks and micro-batches, expert parallelism's experts)
     for value in allowed:
         world_size = 1 if field != "strategy" or value == "single" else 2
-        is_pipeline = field == "strategy" and value.startswith("pp-")
-        pipeline = {"model": "gpt-mini", "grad_accum_steps": 4} if is_pipeline else {}
-        RunConfig(**{field: value, "world_size": world_size, **pipeline}).validate()
+        config.with_strategy_defaults(RunConfig(**{field: value, "world_size": world_size}))[0].validate()
 
 
 def test_single_on_two_processes():

@@ -14,10 +14,15 @@ from multigpu.models import GPT_SIZES, T5_SIZES, build_model, parameter_count, t
 # -- parameter counts -----------------------------------------------------------------
 
 
-def gpt_formula(vocab: int, n_layer: int, d: int, seq_len: int) -> int:
+def gpt_formula(vocab: int, n_layer: int, d: int, seq_len: int, moe=None) -> int:
     """GPT-2 with a tied head. Per block: qkv 3d^2+3d, attention proj d^2+d, MLP 4d^2+4d
-    and 4d^2+d, two LayerNorms 4d: 12d^2 + 13d. Plus token and position tables, final LN."""
-    return n_layer * (12 * d * d + 13 * d) + vocab * d + seq_len * d + 2 * d
+    and 4d^2+d, two LayerNorms 4d: 12d^2 + 13d. Plus token and position tables, final LN.
+    A mixture of experts' block: a router d x E and E (plus shared) MLPs of width f in place of the MLP."""
+    mlp = 8 * d * d + 5 * d
+    if moe is not None:
+        f = moe.d_ff or 4 * d
+        mlp = d * moe.experts + (moe.experts + moe.shared_experts) * (2 * d * f + f + d)
+    return n_layer * (4 * d * d + 8 * d + mlp) + vocab * d + seq_len * d + 2 * d
 
 
 def t5_formula(d_model: int, d_ff: int, d_kv: int, num_heads: int, num_layers: int, vocab_size: int = 32128) -> int:
@@ -39,7 +44,7 @@ def test_gpt_formula_reproduces_the_published_gpt2_count():
 @pytest.mark.parametrize("name", list(GPT_SIZES))
 def test_gpt_presets_match_the_formula(name):
     c = GPT_SIZES[name]
-    assert parameter_count(name) == gpt_formula(c.vocab_size, c.n_layer, c.d_model, c.seq_len)
+    assert parameter_count(name) == gpt_formula(c.vocab_size, c.n_layer, c.d_model, c.seq_len, c.moe)
 
 
 @pytest.mark.parametrize("name, published", [

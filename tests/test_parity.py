@@ -119,6 +119,43 @@ def test_context_parallel_composes_with_data_parallelism(strategy, overrides, re
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("routing", [
+    dict(moe_top_k=2),  # no capacity: no token dropped, exact
+    dict(moe_top_k=1),  # Switch's routing: the router learns through the chosen expert's score alone
+    dict(moe_top_k=2, moe_capacity_factor=0.5),  # capacity binds: about half the assignments dropped
+], ids=["top2", "top1", "top2-capacity0.5"])
+def test_expert_parallel_matches_single_device(routing, world_size, request):
+    """ep-scratch with every rank its own share of the experts (ep = dp = world size): the same
+    weights and losses as one device, every layer's tokens per expert the same at every forward, and
+    where capacity binds, the same tokens dropped (counted over the whole batch)."""
+    result = parity(request, lambda routing, world_size: _case("ep-scratch", world_size, model="gpt-moe-tiny",
+                                                               extra=routing))
+    assert_parity(result, "ep-scratch", world_size)
+    assert result["grid"]["ep"] == world_size
+    assert result["moe_same_routing"] == {"tokens_per_expert": True, "dropped": True}
+    if "moe_capacity_factor" in routing:
+        assert result["moe_dropped"] == result["reference_moe_dropped"] > 0
+    else:
+        assert result["moe_dropped"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overrides", [
+    dict(ep=2, grad_accum_steps=2, bucket_cap_mb=0.01),  # two copies of each half of the experts
+    dict(ep=1, extra={"moe_capacity_factor": 1.0}),  # plain data parallel of the same model
+], ids=["dp4-ep2-accum2", "dp4-ep1-capacity1"])
+def test_expert_parallel_inside_data_parallel(overrides, request):
+    """ep divides dp: the experts' copies sum their gradients and divide by dp (not by the copies)."""
+    result = parity(request, lambda overrides: _case("ep-scratch", 4, model="gpt-moe-tiny", **overrides))
+    assert_parity(result, "ep-scratch", 4)
+    assert result["grid"].get("ep", 1) == overrides["ep"]
+    assert all(result["moe_same_routing"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "strategy, overrides",
     [

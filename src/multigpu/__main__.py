@@ -29,6 +29,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    "or ulysses")
     p.add_argument("--cp-balance", default=None, help="which tokens each cp rank holds: zigzag (default; balanced "
                    "under the causal mask) or contiguous")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel degree (ep-scratch): data-parallel ranks "
+                   "that split a mixture of experts' experts (default: all of them; 1: plain data parallel)")
+    p.add_argument("--top-k", type=int, default=None, help="mixture of experts: experts per token (the model's: 2)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="mixture of experts: places per expert, as a multiple of an even share (default: no limit)")
+    p.add_argument("--aux-loss-coef", type=float, default=None,
+                   help="mixture of experts: weight of the load-balancing loss (default 0.01, Switch's)")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel degree (default: what --world-size leaves after --tp, --pp and --cp)")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -70,9 +77,12 @@ def _config(args) -> RunConfig:
     for name in ("cp_attention", "cp_balance"):
         if getattr(args, name) is not None:
             extra[name] = getattr(args, name)
+    for name in ("top_k", "capacity_factor", "aux_loss_coef"):
+        if getattr(args, name) is not None:
+            extra[f"moe_{name}"] = getattr(args, name)
     d = RunConfig()
     cfg = RunConfig(strategy=args.strategy, world_size=world_size, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp,
-                    model=args.model or d.model, extra=extra)
+                    ep=args.ep, model=args.model or d.model, extra=extra)
     global_batch_size = args.global_batch_size
     if args.per_rank_batch_size is not None:
         if args.per_rank_batch_size < 1:

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import torch
 
+from multigpu import moe
 from multigpu.config import ConfigError, RunConfig
 from multigpu.launch import LaunchError, launch, launch_series
 from multigpu.runtime import device_plan
+from multigpu.strategies.ep_scratch import moe_config
 
 # how close a bf16-mixed run must stay to one device under the same autocast: the same arithmetic
 # up to bf16 rounding (fp32 runs are held to the default tolerance of `check`)
@@ -65,18 +67,26 @@ def parity_configs(strategy: str, world_size: int, steps: int = 3, **overrides) 
     except ValueError as err:
         raise ConfigError(str(err)) from None
     cfg = cfg.replace(device=device)
-    return cfg, cfg.replace(strategy="single", world_size=1, tp=1, pp=1, cp=1, dp=None, grad_accum_steps=1, extra={})
+    # a mixture of experts keeps its routing options, and its micro-batches: the balancing loss counts each
+    # micro-batch's tokens, as it would on one device that accumulated gradients over the same ones
+    routing = {k: v for k, v in cfg.extra.items() if k in moe.OPTIONS}
+    accum = cfg.grad_accum_steps if moe_config(cfg.model) else 1
+    return cfg, cfg.replace(strategy="single", world_size=1, tp=1, pp=1, cp=1, dp=None, ep=None,
+                            grad_accum_steps=accum, extra=routing)
 
 
 def compare(cfg: RunConfig, ours: tuple[list[float], dict, dict], reference: tuple[list[float], dict, dict],
             tolerance: float) -> dict:
-    """The verdict: the largest differences of the trained weights and of the per-step losses."""
-    (ours_loss, ours_params, record), (ref_loss, ref_params, _) = ours, reference
+    """The verdict: the largest differences of the trained weights and of the per-step losses (and
+    for a mixture of experts, whether every layer routed and dropped the same tokens as one device)."""
+    (ours_loss, ours_params, record), (ref_loss, ref_params, ref_record) = ours, reference
     if ours_params.keys() != ref_params.keys():
         raise RuntimeError(f"{cfg.strategy} returned parameters {sorted(set(ours_params) ^ set(ref_params))} "
                            "that the single-device model does not have (or lacks them)")
     param_diff = max((ours_params[k].float() - ref_params[k].float()).abs().max().item() for k in ref_params)
     loss_diff = max(abs(a - b) for a, b in zip(ours_loss, ref_loss))
+    routing = {k: record["moe"][k] == ref_record["moe"][k] for k in ("tokens_per_expert", "dropped")} \
+        if "moe" in record else {}
     return {
         "strategy": cfg.strategy,
         "world_size": cfg.world_size,
@@ -86,9 +96,11 @@ def compare(cfg: RunConfig, ours: tuple[list[float], dict, dict], reference: tup
         "tolerance": tolerance,
         "device": record.get("provenance", {}).get("device_type"),  # where it ran (the reference: the same kind)
         "grid": record["grid"],  # the rank grid its record states
-        "passed": param_diff <= tolerance and loss_diff <= tolerance,
+        "passed": param_diff <= tolerance and loss_diff <= tolerance and all(routing.values()),
         "loss": ours_loss,
         "reference_loss": ref_loss,
+        **({"moe_same_routing": routing, "moe_dropped": sum(map(sum, record["moe"]["dropped"])),
+            "reference_moe_dropped": sum(map(sum, ref_record["moe"]["dropped"]))} if routing else {}),
     }
 
 

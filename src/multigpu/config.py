@@ -53,6 +53,7 @@ class RunConfig:
     pp: int = 1  # pipeline-parallel degree: stages the layers are cut into
     cp: int = 1  # context-parallel degree: ranks that split every sequence
     dp: int | None = None  # data-parallel degree; None: what world_size leaves after tp and pp
+    ep: int | None = None  # expert-parallel degree, inside dp; None: each dp rank its own experts (ep-scratch)
     model: str = "gpt-tiny"  # a preset, or the path of a Hugging Face config.json
     global_batch_size: int = 8  # samples per optimizer step, all ranks together
     grad_accum_steps: int = 1  # micro-batches per optimizer step on each rank
@@ -86,7 +87,8 @@ class RunConfig:
     def grid(self) -> Grid:
         """The rank grid (grid.resolve_grid, the one rule): a strategy's own name spans what the
         degrees given leave (`tp --world-size 4` is tp 4; `fsdp --world-size 8 --tp 2` is dp 4 x tp 2)."""
-        return resolve_grid(self.strategy, self.world_size, tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp)
+        return resolve_grid(self.strategy, self.world_size, tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp,
+                            ep=self.ep)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -198,6 +200,11 @@ class RunConfig:
             raise ConfigError(f"cp={self.degrees.get('cp', 1)} cannot cut {self.model}'s sequences: "
                               + "; ".join(problems))
         _check_run_options(self)
+        from multigpu.strategies.ep_scratch import expert_problems
+
+        problems = expert_problems(self)
+        if problems:
+            raise ConfigError(f"{self.model} with strategy {self.strategy!r}: " + "; ".join(problems))
         import importlib
 
         strategy_module = importlib.import_module(f"multigpu.strategies.{self.info.module}")

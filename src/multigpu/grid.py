@@ -10,6 +10,12 @@ when its pp is given, the ranks left over are data-parallel ranks if it takes th
 each stage): `pp-1f1b --world-size 8 --pp 2 --tp 2` is dp 2 x pp 2 x tp 2. Context parallelism
 (cp) is one more such degree: `cp-scratch --world-size 4` is cp 4, `fsdp --world-size 4 --cp 2`
 is dp 2 x cp 2.
+
+Expert parallelism (ep) is not a further factor: it cuts the experts of a mixture-of-experts
+model over ranks that are data-parallel ranks for everything else (as torchtitan and Megatron
+do), so ep divides dp. `ep-scratch --world-size 4` is dp 4 with ep 4 (each rank a quarter of
+the experts); `--ep 2` is dp 4 with ep 2 (two copies of each half); `--ep 1` is plain data
+parallel of the same model.
 """
 
 from __future__ import annotations
@@ -38,15 +44,17 @@ class Grid:
     pp: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1  # expert-parallel degree, inside dp: not a factor of the world size
 
     @property
     def size(self) -> int:
         return self.dp * self.pp * self.tp * self.cp
 
     def as_dict(self) -> dict[str, int]:
-        """{"dp", "pp", "tp"}, and "cp" when the sequence is cut (records made before context
-        parallelism existed have no cp: theirs was 1)."""
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, **({"cp": self.cp} if self.cp > 1 else {})}
+        """{"dp", "pp", "tp"}, and "cp" when the sequence is cut, "ep" when the experts are (records
+        made before these existed have neither: theirs was 1)."""
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, **({"cp": self.cp} if self.cp > 1 else {}),
+                **({"ep": self.ep} if self.ep > 1 else {})}
 
 
 _ALONE = {"tp": "tensor parallelism: --strategy tp or tp-scratch alone, fsdp or ddp-scratch with --tp (2D), a "
@@ -64,9 +72,27 @@ def _whole(name: str, value, allow_none: bool = False) -> None:
 
 
 def resolve_grid(strategy: str, world_size: int, *, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 cp: int = 1) -> Grid:
+                 cp: int = 1, ep: int | None = None) -> Grid:
     """The grid `strategy` makes of `world_size` ranks with the degrees given (1 or None: not
-    given), checked: the strategy takes every degree it is given, and they tile the world."""
+    given; ep None: every data-parallel rank holds its own experts where the strategy cuts them),
+    checked: the strategy takes every degree it is given, and they tile the world."""
+    grid = _tiled(strategy, world_size, tp=tp, pp=pp, dp=dp, cp=cp)
+    takes = "ep" in STRATEGY_TABLE[strategy].combines
+    _whole("ep", ep, allow_none=True)
+    if ep not in (None, 1) and not takes:
+        experts = [name for name, s in STRATEGY_TABLE.items() if "ep" in s.combines]
+        raise ConfigError(f"strategy {strategy!r} does not cut experts (ep={ep}): expert parallelism is "
+                          f"--strategy {' or '.join(experts)} with a mixture-of-experts model (gpt-moe-*)")
+    ep = (grid.dp if takes else 1) if ep is None else ep
+    if grid.dp % ep:
+        fits = [d for d in range(1, grid.dp + 1) if grid.dp % d == 0]
+        raise ConfigError(f"ep {ep} does not divide dp {grid.dp}: the experts are cut over ranks that are "
+                          f"data-parallel ranks for the rest of the model, in groups of ep; use an ep of "
+                          f"{', '.join(map(str, fits))}")
+    return Grid(dp=grid.dp, pp=grid.pp, tp=grid.tp, cp=grid.cp, ep=ep)
+
+
+def _tiled(strategy: str, world_size: int, *, tp: int, pp: int, dp: int | None, cp: int) -> Grid:
     if strategy not in STRATEGY_TABLE:
         raise ConfigError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGY_TABLE)}")
     _whole("world_size", world_size)

@@ -15,6 +15,7 @@ from torch import nn
 
 from multigpu.errors import ConfigError
 from multigpu.loss import loss_from_logits  # noqa: F401 - also where callers have found it
+from multigpu.moe import MoE, MoEConfig, aux_loss
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class GPTConfig:
     d_model: int
     seq_len: int  # longest sequence the position table holds
     tie_embeddings: bool = True  # the head reuses the token embedding's weight (GPT-2)
+    moe: MoEConfig | None = None  # a mixture of experts in place of every block's MLP (moe.py)
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len"):
@@ -81,7 +83,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if cfg.moe is None else MoE(cfg.d_model, cfg.moe)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -134,7 +136,8 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(hidden))  # (batch, seq, vocab)
         if labels is None:
             return logits
-        return loss_from_logits(logits, labels)
+        loss = loss_from_logits(logits, labels)
+        return loss if self.cfg.moe is None else loss + aux_loss(self)  # MoE: plus the balancing losses
 
 
 # T5 presets are the released checkpoints' configurations (Raffel et al. 2020, Table 14,
@@ -157,6 +160,9 @@ GPT_SIZES = {
     "gpt-mini": GPTConfig(vocab_size=512, n_layer=4, n_head=4, d_model=128, seq_len=128),
     "gpt-small": GPTConfig(vocab_size=2048, n_layer=6, n_head=8, d_model=256, seq_len=256),
     "gpt-long": GPTConfig(vocab_size=512, n_layer=2, n_head=8, d_model=128, seq_len=16384),  # for long sequences
+    # mixtures of experts (moe.py): 4 and 8 experts of the dense MLP's size, 2 per token (Mixtral's k)
+    "gpt-moe-tiny": GPTConfig(vocab_size=128, n_layer=2, n_head=4, d_model=64, seq_len=64, moe=MoEConfig(4)),
+    "gpt-moe-small": GPTConfig(vocab_size=2048, n_layer=6, n_head=8, d_model=256, seq_len=256, moe=MoEConfig(8)),
     "gpt2": GPTConfig(vocab_size=50257, n_layer=12, n_head=12, d_model=768, seq_len=1024),
     "gpt2-medium": GPTConfig(vocab_size=50257, n_layer=24, n_head=16, d_model=1024, seq_len=1024),
     "gpt2-large": GPTConfig(vocab_size=50257, n_layer=36, n_head=20, d_model=1280, seq_len=1024),
@@ -183,11 +189,9 @@ def t5_config(name: str):
     )
 
 
-# -- models named by a Hugging Face config.json -------------------------------------------
-# A reader's own model arrives as a checkpoint's config.json (no weights are downloaded: the
-# model is built from the config and initialised from the seed).
-# model_type "gpt2" builds the package's GPT with the file's sizes, "t5" a T5, anything else
-# transformers' AutoModelForCausalLM ("causal-lm", e.g. a Llama).
+# -- models named by a Hugging Face config.json (no weights downloaded: built from the config,
+# initialised from the seed): model_type "gpt2" builds the package's GPT with the file's sizes,
+# "t5" a T5, anything else transformers' AutoModelForCausalLM ("causal-lm", e.g. a Llama).
 
 
 class ModelConfigError(ConfigError):
@@ -392,8 +396,3 @@ def parameter_count(name: str) -> int:
 def describe(name: str) -> str:
     n = parameter_count(name)
     return f"{name} ({n / 1e6:.1f}M parameters)" if n >= 1e6 else f"{name} ({n:,} parameters)"
-
-
-__all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "compute_loss", "parameter_count", "describe",
-           "apply_activation_checkpointing", "split_problems", "transformer_block_types", "transformer_blocks",
-           "vocab_size", "default_seq_len"]

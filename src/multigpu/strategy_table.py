@@ -17,7 +17,7 @@ class Strategy:
     shards: str  # what a rank holds a part of, rather than the whole
     zero_stage: int | None = 0  # data parallel: what it shards as a ZeRO stage; None: not data parallel
     spans: str = "dp"  # the grid dimension the strategy's own name spans (dp: one replica per rank)
-    combines: tuple[str, ...] = ()  # further grid dimensions it can be given (--tp, --pp, --cp, --dp)
+    combines: tuple[str, ...] = ()  # further grid dimensions it can be given (--tp, --pp, --cp, --dp, --ep)
     one_process: bool = False  # every replica a thread of one process (no process group)
     # the strategy the estimator models this one as (its own name: modelled as it is); None: not modelled
     estimated_as: str | None = None
@@ -123,6 +123,13 @@ STRATEGY_TABLE: dict[str, Strategy] = {
                              "memory-efficient, cuDNN): on a CPU each rank would attend to its own tokens only; "
                              "use --strategy cp-scratch, this package's context parallelism, which runs on any "
                              "device"),
+    "ep-scratch": Strategy("ep_scratch", "expert parallel from scratch: a mixture of experts' experts cut over the "
+                                       "data-parallel ranks (--ep of them share one copy), tokens sent to their "
+                                       "experts and back by all-to-all; the rest data parallel (--ep 1: all of it)",
+                           "experts: each rank holds ep-th of every MoE layer's experts, and their states",
+                           combines=("ep",), overlap="backward",
+                           fp16_refusal="its step finishes two sets of gradient all-reduces (dense and experts) and "
+                                        "updates in one call, leaving no point at which GradScaler could unscale"),
 }
 
 # name -> one-line description (what the CLI and the book list)

@@ -14,7 +14,7 @@ import signal
 
 import torch
 
-from multigpu import strategies
+from multigpu import moe, strategies
 from multigpu.config import RunConfig, parse_fault
 from multigpu.data import TokenDataset, batches, make_loader
 from multigpu.hf import set_attention
@@ -47,6 +47,7 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
         total = torch.cuda.get_device_properties(rt.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), rt.device)
     model = build_model(cfg.model, cfg.seed)
+    moe.configure(model, cfg.extra)  # a mixture of experts' routing options (none change a shape)
     if attention := cfg.extra.get("attention"):  # a T5 (config.py checks)
         set_attention(model, attention)
     model.to(rt.device)
@@ -99,4 +100,5 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
         "state_dict": par.full_state_dict() if keep_params else None,
         "seq_len": seq_len,
         "parameters": parameters,
+        "moe": moe.report(par.model),  # a mixture of experts' routing: tokens per expert, dropped
     }

@@ -67,6 +67,9 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         # measured: loopback bytes in one step, all ranks together (None if not measurable)
         "loopback_bytes_per_step": results[0]["loopback_bytes"],
         "strategy_report": report,
+        # a mixture of experts: per layer and forward, tokens each expert was routed and tokens dropped (the whole
+        # batch's: expert-parallel ranks add theirs up; one rank's otherwise)
+        **({"moe": results[0]["moe"]} if results[0].get("moe") else {}),
         # a strategy whose ranks each report something of their own (a pipeline stage's events)
         "strategy_report_by_rank": [r["strategy_report"] for r in results]
         if len(results) > 1 and any(r["strategy_report"] for r in results[1:]) else None,

@@ -31,9 +31,11 @@ from multigpu.strategies import Parallelized, build_optimizer
 
 
 class GradBuckets:
-    def __init__(self, params, group, bucket_cap_mb: float):
+    def __init__(self, params, group, bucket_cap_mb: float, divide_by: int | None = None):
         self.group = group  # the data-parallel ranks: the replicas whose gradients are averaged
-        self.world_size = dist.get_world_size(group)
+        # the sum over the group is divided by its size (an average), or by `divide_by` (ep_scratch's
+        # experts: their gradients are summed over more ranks than the group holds)
+        self.divide_by = divide_by or dist.get_world_size(group)
         self.enabled = True  # False inside no_sync(): gradients just accumulate locally
         # Backward produces gradients from the last layer to the first, so we fill buckets
         # in reverse registration order: the first bucket is the first to be ready.
@@ -74,7 +76,7 @@ class GradBuckets:
         # the same order, even if its gradients became ready in a different one.
         while self.next_to_launch < len(self.buckets) and self.missing[self.next_to_launch] == 0:
             flat = self.flat[self.next_to_launch]
-            flat.div_(self.world_size)  # sum of (g / N) over N ranks = the average gradient
+            flat.div_(self.divide_by)  # sum of (g / N) over N ranks = the average gradient
             self.handles[self.next_to_launch] = dist.all_reduce(flat, group=self.group, async_op=True)
             self.next_to_launch += 1
 

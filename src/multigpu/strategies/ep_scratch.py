@@ -1,0 +1,215 @@
+"""Expert parallelism from scratch: a mixture of experts' experts cut over data-parallel ranks.
+
+A MoE layer (moe.py) holds E experts, and each token needs only k of them. Data parallelism
+would keep all E on every rank; expert parallelism gives each of ep ranks E/ep of them and
+sends every token to the rank of each expert it chose, with one all-to-all, and the outputs
+back with another (GShard, Lepikhin et al. 2020; Switch; DeepSpeed-MoE; torchtitan). Everything
+else (attention, embeddings, the router, shared experts) stays data parallel: the ep ranks are
+data-parallel ranks that share out the experts, so ep divides dp.
+
+Per MoE layer, forward (`ExpertDispatch`):
+1. the router chooses; the kept (token, expert) assignments are sorted by expert (moe.MoE);
+2. the counts go first (all-to-all of E numbers: how many tokens each rank sends to each of
+   another's experts), since each rank must know how much it will receive;
+3. dispatch: the tokens, all-to-all with those splits (k x d_model values per token leave);
+4. each rank runs its experts on what arrived, regrouped expert by expert;
+5. combine: the outputs go back by the reverse all-to-all, and are summed with the router's
+   weights where they came from. Backward runs the same two all-to-alls with the splits swapped.
+
+The gradients. Each rank's loss is the mean over its own tokens; the loss of the whole batch
+is the mean of those, so its gradient is the mean over the dp ranks of theirs. For the dense
+part that is the usual average over dp (GradBuckets, as ddp-scratch). An expert's gradient
+arrives already summed over the ep ranks whose tokens it served (the all-to-all's backward
+brought theirs home); the other copies of the same expert (dp/ep of them, one per ep group)
+hold the sums of the other groups. So the expert gradients are summed over those copies and
+divided by dp, not by the dp/ep copies: dividing by the group's own size would make experts
+learn ep times too fast, and nothing would fail, which is why parity is tested against one device.
+
+`ep-scratch --world-size 4` is dp 4 = ep 4; `--ep 2` is dp 4 with two copies of each half of the
+experts; `--ep 1` is data parallel of the same model (all experts everywhere), the baseline.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from multigpu import moe
+from multigpu.strategies import Parallelized, build_optimizer
+from multigpu.strategies.ddp_scratch import GradBuckets
+
+ROUTING = {"moe_top_k": "top_k", "moe_capacity_factor": "capacity_factor", "moe_aux_loss_coef": "aux_loss_coef"}
+
+
+def moe_config(model: str):
+    """The MoEConfig of a preset (None: a dense model)."""
+    from multigpu.models import GPT_SIZES
+
+    return GPT_SIZES[model].moe if model in GPT_SIZES else None
+
+
+def expert_problems(cfg) -> list[str]:
+    """What keeps `cfg` from training its mixture of experts (every run: RunConfig.validate)."""
+    from multigpu.strategy_table import STRATEGY_TABLE
+
+    layer, extra = moe_config(cfg.model), cfg.extra or {}
+    asked = [f"--{ROUTING[k].replace('_', '-')}" for k in ROUTING if k in extra]
+    takes = [name for name, s in STRATEGY_TABLE.items() if "ep" in s.combines]
+    if layer is None:
+        problems = [f"{' and '.join(asked)} route a mixture of experts; {cfg.model} is dense: use a gpt-moe-* "
+                    "preset, or leave them out"] if asked else []
+        if cfg.strategy in takes:
+            problems.append(f"{cfg.strategy} cuts a mixture of experts' experts over ranks; {cfg.model} has none: "
+                            "use --model gpt-moe-tiny or gpt-moe-small")
+        return problems
+    if cfg.strategy not in ("single", *takes):
+        return [f"a mixture of experts trains here with single or {', '.join(takes)} (--ep 1: plain data "
+                f"parallel of it): its balancing loss counts the whole batch's tokens, which {cfg.strategy!r} "
+                "would count rank by rank"]
+    top_k = extra.get("moe_top_k", layer.top_k)
+    problems = moe.options_problems(layer.experts, top_k, extra.get("moe_capacity_factor", layer.capacity_factor),
+                                    extra.get("moe_aux_loss_coef", layer.aux_loss_coef))
+    ep = cfg.degrees.get("ep", 1)
+    if layer.experts % ep:
+        fits = [d for d in range(1, layer.experts + 1) if layer.experts % d == 0]
+        problems.append(f"ep {ep} does not divide the {layer.experts} experts of each layer: every rank holds "
+                        f"an equal share; use an ep of {', '.join(map(str, fits))}")
+    return problems
+
+
+def defaults(cfg) -> dict:
+    """What config.with_strategy_defaults picks where the reader chose nothing: a model with experts."""
+    return {} if moe_config(cfg.model) else {"model": "gpt-moe-tiny"}
+
+
+def expert_groups(dp_group, ep: int):
+    """(this rank's ep group, its expert-copies group): the dp ranks in consecutive runs of ep
+    (inside a node on a GPU server: the all-to-all is the heaviest traffic), and the ranks at the
+    same place in every run (they hold the same experts). new_group is collective: every rank
+    makes every group, in the same order."""
+    ranks = dist.get_process_group_ranks(dp_group)
+    me = dist.get_rank()
+    mine = {}
+    runs = [ranks[i:i + ep] for i in range(0, len(ranks), ep)]
+    for name, lines in (("ep", runs), ("copies", [ranks[j::ep] for j in range(ep)])):
+        for line in lines:
+            group = dist.new_group(line)
+            if me in line:
+                mine[name] = group
+    return mine["ep"], mine["copies"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` to the group's ranks, `sent[r]` of them to rank r, `received[r]` from rank r;
+    its gradient goes back the same way with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, received: list[int], sent: list[int], group):
+        ctx.splits, ctx.group = (sent, received), group
+        out = x.new_empty((sum(received), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        sent, received = ctx.splits
+        back = grad.new_empty((sum(sent), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), sent, received, group=ctx.group)
+        return back, None, None, None
+
+
+class ExpertDispatch:
+    """A MoE layer's `dispatch` over an ep group: tokens sorted by expert in, their experts'
+    outputs out, in the same order (steps 2-5 above)."""
+
+    def __init__(self, experts: moe.Experts, group):
+        self.experts, self.group = experts, group
+        self.ep = dist.get_world_size(group)
+
+    def __call__(self, tokens: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        held = per_expert.numel() // self.ep
+        to_each = per_expert.view(self.ep, held)  # [r, e]: tokens for rank r's e-th expert
+        from_each = torch.empty_like(to_each)  # [s, e]: tokens rank s sends to my e-th expert
+        dist.all_to_all_single(from_each, to_each.contiguous(), group=self.group)  # 2. the counts first
+        sent, got = to_each.sum(dim=1).tolist(), from_each.tolist()
+        received = [sum(row) for row in got]
+        arrived = _AllToAll.apply(tokens, received, sent, self.group)  # 3. dispatch: by source, then expert
+        # 4. regroup expert by expert (each expert's tokens from rank 0, then rank 1, ...), run, put back
+        starts = torch.tensor([0, *received], device=tokens.device).cumsum(0).tolist()
+        index = torch.cat([torch.arange(starts[s] + sum(got[s][:e]), starts[s] + sum(got[s][:e + 1]))
+                           for e in range(held) for s in range(self.ep)]).to(tokens.device)
+        out = self.experts(arrived[index], [sum(got[s][e] for s in range(self.ep)) for e in range(held)])
+        back = torch.empty_like(out).index_copy(0, index, out)
+        return _AllToAll.apply(back, sent, received, self.group)  # 5. combine: home again
+
+
+def parallelize(model, dp_group, ep: int) -> tuple[list, list]:
+    """Cut every MoE layer's experts over this rank's ep group, in place, and hook its
+    dispatch and counts; return (dense parameters, expert parameters) and groups."""
+    group, copies = expert_groups(dp_group, ep)
+    me = dist.get_rank(group)
+    for layer in moe.layers(model):
+        experts = layer.experts
+        held = layer.experts_total // ep
+        with torch.no_grad():
+            for name, p in list(experts.named_parameters()):
+                setattr(experts, name, torch.nn.Parameter(p[me * held:(me + 1) * held].clone()))
+        experts.first = me * held
+        layer.dispatch = ExpertDispatch(experts, group)
+        layer.reduce_counts = _summed(dp_group)
+    return group, copies
+
+
+def _summed(group):
+    def reduce(counts):  # the whole batch's counts (no gradient flows through counts)
+        counts = counts.clone()
+        dist.all_reduce(counts, group=group)
+        return counts
+    return reduce
+
+
+def gather_experts(model, group) -> dict:
+    """The whole model's state, every layer's experts gathered from the ep group (rank order)."""
+    state = dict(model.state_dict())
+    ep = dist.get_world_size(group)
+    for prefix, layer in ((n, m) for n, m in model.named_modules() if isinstance(m, moe.MoE)):
+        for name, p in layer.experts.named_parameters():
+            parts = [torch.empty_like(p) for _ in range(ep)]
+            dist.all_gather(parts, p.detach().contiguous(), group=group)
+            state[f"{prefix}.experts.{name}"] = torch.cat(parts)
+    return state
+
+
+def prepare(model, cfg, rt) -> Parallelized:
+    dp_group, ep = rt.grid.group("dp"), cfg.degrees.get("ep", 1)
+    group, copies = parallelize(model, dp_group, ep)
+    expert_params = {id(p) for layer in moe.layers(model) for p in layer.experts.parameters()}
+    dense = [p for p in model.parameters() if id(p) not in expert_params]
+    experts = [p for p in model.parameters() if id(p) in expert_params]
+    with torch.no_grad():  # the same start everywhere: dense weights over dp, experts over their copies
+        for params, over in ((dense, dp_group), (experts, copies)):
+            for p in params:
+                dist.broadcast(p, group=over, group_src=0)
+    dp = dist.get_world_size(dp_group)
+    buckets = [GradBuckets(dense, dp_group, cfg.bucket_cap_mb),
+               GradBuckets(experts, copies, cfg.bucket_cap_mb, divide_by=dp)]  # summed over copies, / dp
+    optimizer = build_optimizer(dense + experts, cfg)
+
+    def step():
+        for b in buckets:
+            b.finish()
+        optimizer.step()
+
+    def no_sync():
+        from contextlib import ExitStack
+
+        stack = ExitStack()
+        for b in buckets:
+            stack.enter_context(b.no_sync())
+        return stack
+
+    held = moe.layers(model)[0].experts.fc_weight.shape[0]
+    return Parallelized(module=model, optimizer=optimizer, model=model, no_sync=no_sync, step=step,
+                        tracked=[f for b in buckets for f in b.flat],
+                        gather_state_dict=lambda: gather_experts(model, group),
+                        report=lambda: {"ep": ep, "experts_per_rank": held})

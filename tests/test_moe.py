@@ -1,0 +1,121 @@
+"""Mixture of experts and expert parallelism: the layer's routing, capacity and balancing loss
+against their definitions; the expert-parallel layer against the same layer on one device
+(output and every gradient, in float64, with and without dropped tokens), its all-to-all bytes
+against the formula; and what cannot be cut refused before any process starts.
+
+Training parity of ep-scratch against one device (fp32, 3 steps, 2 and 4 ranks, ep inside dp) is
+in test_parity.py, with every other strategy's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multigpu import moe
+from multigpu.config import ConfigError, RunConfig, with_strategy_defaults
+from multigpu.spmd import run_spmd
+
+
+def test_capacity_is_first_choices_first_in_token_order():
+    """Capacity 2 per expert in a sequence of 4 tokens, top-2 over 2 experts: every token's first choice
+    claims a place before any second choice does, and within a choice tokens go in order."""
+    layer = moe.MoE(4, moe.MoEConfig(2, top_k=2, capacity_factor=0.5))  # ceil(0.5 x 4 x 2 / 2) = 2 places
+    chosen = torch.tensor([[[0, 1], [0, 1], [0, 1], [1, 0]]])  # (batch 1, seq 4, k 2)
+    keep = layer._within_capacity(chosen)
+    # expert 0: first choices of tokens 0, 1, 2 -> tokens 0, 1 kept; expert 1: first choice of token 3,
+    # then second choices of tokens 0, 1, 2 -> token 3 and token 0's second choice kept
+    assert keep.tolist() == [[[True, True], [True, False], [False, False], [True, False]]]
+    assert moe.capacity(1.25, 64, 2, 8) == 20 and moe.capacity(None, 64, 2, 8) is None
+
+
+def test_balancing_loss_is_one_when_even_and_the_count_of_experts_when_all_on_one():
+    """Switch's aux = E x sum_i f_i P_i: 1 for an even load with even probabilities, E when every
+    token goes to one expert with probability 1."""
+    layer = moe.MoE(4, moe.MoEConfig(4, top_k=1, aux_loss_coef=1.0))
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer(torch.randn(1, 8, 4))  # equal scores: topk picks expert 0 for all, probabilities 1/4
+        assert layer.aux_loss.item() == pytest.approx(1.0)
+        layer.router.weight.copy_(torch.tensor([[100.0, 0, 0, 0]] + [[0.0] * 4] * 3))
+        layer(torch.ones(1, 8, 4))  # everything to expert 0, with probability ~1
+        assert layer.aux_loss.item() == pytest.approx(4.0, rel=1e-6)
+    assert layer.load[-1].tolist() == [8, 0, 0, 0, 0]
+
+
+def test_every_token_meets_k_experts_without_a_limit():
+    layer = moe.MoE(8, moe.MoEConfig(4, top_k=2))
+    out = layer(torch.randn(3, 5, 8))
+    assert out.shape == (3, 5, 8)
+    assert layer.load[-1][:4].sum() == 3 * 5 * 2 and layer.load[-1][4] == 0
+
+
+_layers: dict = {}
+
+
+def layer(ep: int, **routing) -> list[dict]:
+    key = (ep, tuple(sorted(routing.items())))
+    if key not in _layers:
+        _layers[key] = run_spmd("spmd.ep_checks:layer_checks", ep, **routing)
+    return _layers[key]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("routing", [dict(top_k=2), dict(top_k=1), dict(top_k=2, capacity_factor=0.5)],
+                         ids=["top2", "top1", "capacity0.5"])
+def test_expert_parallel_layer_is_the_one_device_layer(ep, routing):
+    """Output, input gradient and every parameter's gradient (router, experts, shared expert) equal to
+    one device's in float64, on every rank; the same tokens per expert and the same dropped."""
+    for r in layer(ep, **routing):
+        assert r["output"] < 1e-12 and r["input_grad"] < 1e-12, r
+        assert max(r["param_grads"].values()) < 1e-12, r["param_grads"]
+        assert r["same_load"]
+        assert (r["dropped"] > 0) == ("capacity_factor" in routing)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_all_to_all_bytes_are_the_formula(ep):
+    """Per layer, forward: each rank sends the counts (E int64s), then dispatches the rows of its
+    kept assignments and combines (sends back) the rows it received, d_model float64s each. A rank
+    sends what its tokens chose and returns what others' chose, so the ranks together hand the
+    all-to-alls 2 x k x d x 8 bytes a token when nothing is dropped (the formula); backward the same."""
+    experts, d_model, k = 8, 16, 2
+    ranks = layer(ep, top_k=k)
+    tokens = sum(r["tokens"] for r in ranks)
+    assert sum(r["forward_payload"]["all_to_all"] for r in ranks) == ep * 8 * experts + 2 * tokens * k * d_model * 8
+    assert sum(r["payload"]["all_to_all"] for r in ranks) == ep * 8 * experts + 4 * tokens * k * d_model * 8
+    ranks = layer(ep, top_k=2, capacity_factor=0.5)  # dropped assignments are not sent
+    kept = ranks[0]["kept_assignments"]  # the whole batch's
+    assert kept < tokens * k
+    assert sum(r["forward_payload"]["all_to_all"] for r in ranks) == ep * 8 * experts + 2 * kept * d_model * 8
+
+
+def refused(**fields) -> str:
+    with pytest.raises(ConfigError) as info:
+        RunConfig(**fields).validate()
+    return str(info.value)
+
+
+def test_bad_input_is_refused_before_any_process_starts():
+    m = dict(model="gpt-moe-tiny")
+    assert "ep 3 does not divide the 4 experts" in refused(strategy="ep-scratch", world_size=3, global_batch_size=9,
+                                                           **m)
+    assert "top_k 5 must be a whole number from 1 to the 4 experts" in refused(
+        strategy="ep-scratch", world_size=2, extra={"moe_top_k": 5}, **m)
+    for bad in (0, -1.0, float("nan")):
+        assert "capacity_factor must be a positive number" in refused(
+            strategy="ep-scratch", world_size=2, extra={"moe_capacity_factor": bad}, **m)
+    assert "ep 3 does not divide dp 4" in refused(strategy="ep-scratch", world_size=4, ep=3, **m)
+    assert "does not cut experts (ep=2)" in refused(strategy="ddp", world_size=2, ep=2, **m)
+    assert "with single or ep-scratch" in refused(strategy="ddp", world_size=2, **m)
+    assert "gpt-tiny has none" in refused(strategy="ep-scratch", world_size=2)
+    assert "gpt-tiny is dense" in refused(strategy="single", extra={"moe_top_k": 1})
+    assert "does not combine with tp" in refused(strategy="ep-scratch", world_size=4, tp=2, **m)
+
+
+@pytest.mark.parametrize("world_size, ep, expected", [(4, None, 4), (4, 2, 2), (4, 1, 1), (2, None, 2)])
+def test_ep_degrees(world_size, ep, expected):
+    cfg, _ = with_strategy_defaults(RunConfig(strategy="ep-scratch", world_size=world_size, ep=ep))
+    cfg.validate()
+    assert cfg.model == "gpt-moe-tiny" and cfg.grid.ep == expected and cfg.grid.dp == world_size
+    assert cfg.degrees.get("ep", 1) == expected
