@@ -258,6 +258,12 @@ CASES = [
     Case("fsdp x cp 2", "fsdp", ((4, dict(cp=2)), (8, dict(cp=2)))),
     Case("cp (PyTorch's context_parallel)", "cp", ((1, {}), (2, {}), (4, {})),
          cuda_only="PyTorch's context_parallel replaces CUDA attention kernels only"),
+    # expert parallelism: counts and tokens by all_to_all_single over NCCL (on one GPU an ep group of one: the
+    # routing, the capacity and the all-to-alls' device tensors, nothing sent); capacity binds, tokens dropped
+    Case("ep-scratch", "ep-scratch", ((1, {}), (2, {}), (4, {})),
+         common=dict(model="gpt-moe-tiny", extra={"moe_capacity_factor": 1.0})),
+    Case("ep-scratch bf16-mixed", "ep-scratch", ((1, {}), (2, {}), (4, {})), BF16_TOLERANCE,
+         dict(model="gpt-moe-tiny", dtype="bf16-mixed")),
 ]
 
 

@@ -299,6 +299,11 @@ HELD_OUT = [
     # context parallelism: each rank's activations are its part of the sequence's (ring attention, zig-zag)
     dict(model="gpt-long", strategy="cp-scratch", world_size=2, seq_len=2048, global_batch_size=2, optimizer="adamw"),
     dict(model="gpt-long", strategy="fsdp", world_size=4, cp=2, seq_len=1024, global_batch_size=4, optimizer="sgd"),
+    # a mixture of experts: a rank keeps 1/ep of the experts; its activations are a balanced layer's
+    dict(model="gpt-moe-small", strategy="ep-scratch", world_size=2, seq_len=64, global_batch_size=4,
+         optimizer="adamw"),
+    dict(model="gpt-moe-small", strategy="ep-scratch", world_size=4, ep=2, seq_len=64, global_batch_size=8,
+         optimizer="sgd-momentum"),
 ]
 
 
@@ -309,7 +314,8 @@ _held_out = RunCache(lambda: [RunConfig(steps=3, dataset="dummy", **changes) for
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("changes", HELD_OUT, ids=lambda c: f"{c['model']}-{c['strategy']}-{c['world_size']}"
-                                                           + (f"-cp{c['cp']}" if "cp" in c else ""))
+                                                           + (f"-cp{c['cp']}" if "cp" in c else "")
+                                                           + (f"-ep{c['ep']}" if "ep" in c else ""))
 def test_estimated_peak_agrees_with_fresh_runs_it_was_not_fitted_to(changes):
     from multigpu.estimator.accuracy import against_records
 

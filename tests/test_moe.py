@@ -17,6 +17,35 @@ from multigpu.config import ConfigError, RunConfig, with_strategy_defaults
 from multigpu.spmd import run_spmd
 
 
+def test_the_layer_is_its_definition_token_by_token():
+    """Against the layer written out for one token at a time (float64): softmax over E scores, the
+    top k renormalised, the chosen experts' GELU MLPs weighted and summed, plus the shared expert;
+    the output and the gradients of the input, the router and the experts."""
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        torch.set_default_dtype(torch.float64)
+        try:
+            layer = moe.MoE(8, moe.MoEConfig(4, top_k=2, d_ff=16, shared_experts=1))
+            x = torch.randn(2, 5, 8, requires_grad=True)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    ex, tokens = layer.experts, x.reshape(-1, 8)
+    probs = torch.softmax(tokens @ layer.router.weight.T, dim=-1)
+    rows = []
+    for t in range(tokens.shape[0]):
+        weight, chosen = probs[t].topk(2)
+        weight = weight / weight.sum()
+        rows.append(layer.shared[0](tokens[t]) + sum(
+            w * (torch.nn.functional.gelu(tokens[t] @ ex.fc_weight[e] + ex.fc_bias[e]) @ ex.proj_weight[e]
+                 + ex.proj_bias[e]) for w, e in zip(weight, chosen)))
+    reference = torch.stack(rows).view(2, 5, 8)
+    out = layer(x)
+    assert (out - reference).abs().max() < 1e-14
+    wrt = [x, layer.router.weight, ex.fc_weight, ex.proj_bias]
+    for a, b in zip(torch.autograd.grad(out.square().sum(), wrt), torch.autograd.grad(reference.square().sum(), wrt)):
+        assert (a - b).abs().max() < 1e-13
+
+
 def test_capacity_is_first_choices_first_in_token_order():
     """Capacity 2 per expert in a sequence of 4 tokens, top-2 over 2 experts: every token's first choice
     claims a place before any second choice does, and within a choice tokens go in order."""
@@ -119,3 +148,67 @@ def test_ep_degrees(world_size, ep, expected):
     cfg.validate()
     assert cfg.model == "gpt-moe-tiny" and cfg.grid.ep == expected and cfg.grid.dp == world_size
     assert cfg.degrees.get("ep", 1) == expected
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_the_estimator_keeps_a_ranks_share_of_the_experts(ep):
+    """Parameters a rank keeps under ep-scratch: the dense part whole and 1/ep of every layer's
+    experts, counted on the model itself; the active parameters: k of E experts per token."""
+    from multigpu.estimator.model_trace import model_shape
+    from multigpu.estimator.peak import estimate
+    from multigpu.estimator.question import Setup
+    from multigpu.models import build_model
+
+    model = build_model("gpt-moe-small")
+    routed = sum(p.numel() for layer in moe.layers(model) for p in layer.experts.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    est = estimate(Setup("gpt-moe-small", "ep-scratch", world_size=4, ep=ep, optimizer="adamw"))
+    assert est.per_rank_bytes["params"] == 4 * (total - routed + routed // ep)
+    assert est.per_rank_bytes["optimizer"] == 8 * (total - routed + routed // ep)
+    shape = model_shape("gpt-moe-small")
+    assert shape.active_parameters == total - routed + routed * 2 // 8
+
+
+# -- the chapter's formulas, each against what did not use it --------------------------------
+
+
+def test_expert_parameters_are_what_the_models_hold():
+    """The routed experts' count against the models: this package's gpt-moe-small (GELU, biases) and
+    Mixtral 8x7B and DeepSeek-V3 as transformers builds them from their configs (gated, no biases),
+    whose totals and active parameters are also the published ones (within 1%)."""
+    from multigpu.estimator.formulas import moe_active_parameters, moe_expert_parameters
+    from multigpu.hf import counted_on_meta
+    from multigpu.models import GPT_SIZES, build_model
+    from multigpu.sources import DEEPSEEK_V3, MIXTRAL_8X7B
+
+    small = GPT_SIZES["gpt-moe-small"]
+    model = build_model("gpt-moe-small")
+    assert moe_expert_parameters(small.d_model, 4 * small.d_model, small.moe.experts, small.n_layer, gated=False,
+                                 biases=True) == sum(p.numel() for layer in moe.layers(model)
+                                                     for p in layer.experts.parameters())
+    for published, moe_layers in ((MIXTRAL_8X7B, 32), (DEEPSEEK_V3, 58)):  # DeepSeek-V3: its first 3 layers dense
+        c = published.config
+        experts = c.get("num_local_experts") or c["n_routed_experts"]
+        width = c.get("moe_intermediate_size") or c["intermediate_size"]
+        counted = counted_on_meta(c)
+        assert moe_expert_parameters(c["hidden_size"], width, experts, moe_layers) == counted["expert_parameters"]
+        active = moe_active_parameters(counted["parameters"], counted["expert_parameters"], experts,
+                                       c["num_experts_per_tok"])
+        assert counted["parameters"] / 1e9 == pytest.approx(published.total_b, rel=0.01)
+        assert active / 1e9 == pytest.approx(published.active_b, rel=0.02)
+
+
+def test_dropped_share_under_uniform_routing_is_the_binomial_tail():
+    """The expected dropped share when tokens choose k distinct experts uniformly at random, against
+    the layer's own capacity rule applied to random choices (20,000 sequences)."""
+    from multigpu.estimator.formulas import dropped_share_uniform
+
+    torch.manual_seed(0)
+    seqs, tokens, k, experts = 20000, 32, 2, 8
+    layer = moe.MoE(4, moe.MoEConfig(experts, top_k=k))
+    chosen = torch.rand(seqs, tokens, experts).argsort(dim=-1)[..., :k]  # k distinct experts per token
+    for factor in (0.5, 1.0, 1.25):
+        layer.capacity_factor = factor
+        dropped = 1 - layer._within_capacity(chosen).float().mean().item()
+        assert dropped == pytest.approx(dropped_share_uniform(factor, tokens, k, experts), abs=0.003)
+    assert dropped_share_uniform(4.0, tokens, k, experts) == 0.0

@@ -85,8 +85,11 @@ def compare(cfg: RunConfig, ours: tuple[list[float], dict, dict], reference: tup
                            "that the single-device model does not have (or lacks them)")
     param_diff = max((ours_params[k].float() - ref_params[k].float()).abs().max().item() for k in ref_params)
     loss_diff = max(abs(a - b) for a, b in zip(ours_loss, ref_loss))
+    # a mixture of experts routes each token as one device does, in fp32; under bf16 autocast the router's
+    # scores differ in their last bits with the batch's shape, and a near tie may choose the other expert
     routing = {k: record["moe"][k] == ref_record["moe"][k] for k in ("tokens_per_expert", "dropped")} \
         if "moe" in record else {}
+    routing_counts = cfg.dtype == "fp32"
     return {
         "strategy": cfg.strategy,
         "world_size": cfg.world_size,
@@ -96,7 +99,7 @@ def compare(cfg: RunConfig, ours: tuple[list[float], dict, dict], reference: tup
         "tolerance": tolerance,
         "device": record.get("provenance", {}).get("device_type"),  # where it ran (the reference: the same kind)
         "grid": record["grid"],  # the rank grid its record states
-        "passed": param_diff <= tolerance and loss_diff <= tolerance and all(routing.values()),
+        "passed": param_diff <= tolerance and loss_diff <= tolerance and (all(routing.values()) or not routing_counts),
         "loss": ours_loss,
         "reference_loss": ref_loss,
         **({"moe_same_routing": routing, "moe_dropped": sum(map(sum, record["moe"]["dropped"])),

@@ -135,3 +135,16 @@ def set_attention(model: nn.Module, attention: str) -> None:
 
 
 __all__ = ["TINY_LLAMA", "build_causal_lm", "hf_loss", "load_config", "set_attention", "write_tiny_llama_config"]
+
+
+def counted_on_meta(config: dict) -> dict[str, int]:
+    """A causal LM built by transformers from a config dict on the meta device (no memory, no
+    weights): its parameters, and those of its routed experts (tensors under an `experts` module)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings))
+    named = dict(model.named_parameters())
+    return {"parameters": sum(p.numel() for p in named.values()),
+            "expert_parameters": sum(p.numel() for name, p in named.items() if ".experts." in name)}

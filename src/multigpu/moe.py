@@ -31,6 +31,7 @@ parameter names, as tensor parallelism keeps names while slicing.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -114,14 +115,21 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
-        E, k = self.experts_total, self.top_k
-        tokens = x.reshape(B * T, H)
-        probs = self.router(tokens).float().softmax(dim=-1)  # (N, E)
-        weight, chosen = probs.topk(k, dim=-1)  # (N, k)
+        E, k, N = self.experts_total, self.top_k, B * T
+        tokens = x.reshape(N, H)
+        scores = self.router(tokens)  # (N, E); the softmax in fp32 at least (under autocast the scores are bf16)
+        probs = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1)
+        if _EVEN_ROUTING:  # the estimator's fake tensors hold no scores to choose by: an even load, nothing dropped
+            chosen = (torch.arange(N * k, device=x.device) % E).view(N, k)
+            weight, keep = probs.gather(1, chosen), torch.ones(N * k, dtype=torch.bool, device=x.device)
+            per_expert = [len(range(e, N * k, E)) for e in range(E)]
+            counts = torch.tensor([*per_expert, 0], device=x.device)
+        else:
+            weight, chosen = probs.topk(k, dim=-1)  # (N, k)
+            keep = self._within_capacity(chosen.view(B, T, k)).reshape(-1)  # (N * k,) in (token, choice) order
+            counts = torch.cat([torch.bincount(chosen.view(-1), minlength=E), (~keep).sum().view(1)])
         if k > 1:
             weight = weight / weight.sum(dim=-1, keepdim=True)
-        keep = self._within_capacity(chosen.view(B, T, k)).reshape(-1)  # (N * k,) in (token, choice) order
-        counts = torch.cat([torch.bincount(chosen.view(-1), minlength=E), (~keep).sum().view(1)])
         if self.reduce_counts is not None:
             counts = self.reduce_counts(counts)
         self.load.append(counts.detach())
@@ -129,16 +137,17 @@ class MoE(nn.Module):
         self.aux_loss = self.aux_loss_coef * E * (share * probs.mean(dim=0)).sum()
 
         # the kept assignments, sorted by expert (stable: in token order within each expert)
-        assigned = keep.nonzero().view(-1)
+        assigned = torch.arange(N * k, device=x.device) if _EVEN_ROUTING else keep.nonzero().view(-1)
         order = assigned[torch.argsort(chosen.view(-1)[assigned], stable=True)]
         token_of = order // k
-        per_expert = torch.bincount(chosen.view(-1)[order], minlength=E)
+        if not _EVEN_ROUTING:
+            per_expert = torch.bincount(chosen.view(-1)[order], minlength=E)
         sent = tokens[token_of]
         if self.dispatch is None:
-            y = self.experts(sent, per_expert.tolist())
+            y = self.experts(sent, per_expert if _EVEN_ROUTING else per_expert.tolist())
         else:
             y = self.dispatch(sent, per_expert)
-        out = torch.zeros(B * T, H, dtype=y.dtype, device=x.device)
+        out = torch.zeros(N, H, dtype=y.dtype, device=x.device)
         out = out.index_add(0, token_of, y * weight.view(-1)[order].unsqueeze(1).to(y.dtype))
         for mlp in self.shared:
             out = out + mlp(tokens).to(out.dtype)
@@ -166,6 +175,22 @@ class _SharedMLP(nn.Module):
 
     def forward(self, x):
         return self.proj(F.gelu(self.fc(x)))
+
+
+_EVEN_ROUTING = False
+
+
+@contextmanager
+def even_routing():
+    """Inside: every MoE layer sends its (token, choice) assignments to the experts in turn, an
+    even load with nothing dropped, whatever the router's scores (the estimator traces forward on
+    fake tensors, which hold no values to choose by; what it estimates is a balanced layer's)."""
+    global _EVEN_ROUTING
+    before, _EVEN_ROUTING = _EVEN_ROUTING, True
+    try:
+        yield
+    finally:
+        _EVEN_ROUTING = before
 
 
 def layers(model: nn.Module) -> list[MoE]:

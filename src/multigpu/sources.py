@@ -48,3 +48,37 @@ RESNET_DDP_EPOCH_S = {1: 128.84, 2: 66.5, 4: 37.8}
 # the machine of the best-strategy chart the sources cite (by model size and batch): a name of
 # multigpu.estimator.machines.MACHINES
 STRATEGY_CHART_MACHINE = "8xa100-nvlink"
+
+
+@dataclass(frozen=True)
+class PublishedMoE:
+    """A released mixture of experts: the sizes of its config.json (Hugging Face hub), and the
+    parameter counts its authors published (billions)."""
+
+    name: str
+    config: dict
+    total_b: float
+    active_b: float
+    source: str
+
+
+MIXTRAL_8X7B = PublishedMoE(
+    "Mixtral 8x7B",
+    {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+     "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+     "vocab_size": 32000, "max_position_embeddings": 32768, "tie_word_embeddings": False},
+    46.7, 12.9, "Mistral AI, \"Mixtral of experts\" (2023-12-11); Jiang et al. 2024, arXiv:2401.04088; the config.json "
+                "of mistralai/Mixtral-8x7B-v0.1")
+DEEPSEEK_V3 = PublishedMoE(
+    "DeepSeek-V3",
+    {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+     "num_hidden_layers": 61, "first_k_dense_replace": 3, "num_attention_heads": 128, "num_key_value_heads": 128,
+     "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+     "vocab_size": 129280, "max_position_embeddings": 163840, "tie_word_embeddings": False},
+    671, 37, "DeepSeek-AI 2024, DeepSeek-V3 Technical Report, arXiv:2412.19437 (the main model; its multi-token "
+             "prediction module adds 14B); the config.json of deepseek-ai/DeepSeek-V3")
+# how DeepSeek-V3 was trained (the report's section 3.2): 2048 H800 GPUs, 16-way pipeline, 64-way expert
+# parallelism over 8 nodes, ZeRO-1 data parallelism, each token sent to at most 4 nodes
+DEEPSEEK_V3_TRAINING = {"gpus": 2048, "gpu": "H800", "pp": 16, "ep": 64, "ep_nodes": 8, "dp_sharding": "ZeRO-1",
+                        "nodes_per_token": 4}

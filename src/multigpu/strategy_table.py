@@ -127,7 +127,7 @@ STRATEGY_TABLE: dict[str, Strategy] = {
                                        "data-parallel ranks (--ep of them share one copy), tokens sent to their "
                                        "experts and back by all-to-all; the rest data parallel (--ep 1: all of it)",
                            "experts: each rank holds ep-th of every MoE layer's experts, and their states",
-                           combines=("ep",), overlap="backward",
+                           combines=("ep",), estimated_as="ep-scratch", overlap="backward",
                            fp16_refusal="its step finishes two sets of gradient all-reduces (dense and experts) and "
                                         "updates in one call, leaving no point at which GradScaler could unscale"),
 }

@@ -83,7 +83,7 @@ def setup_of(record: dict, against: str = "allocator") -> Setup | None:
                  reshard_after_forward=extra.get("reshard_after_forward", True),
                  bucket_cap_mb=c["bucket_cap_mb"], backend=prov["backend"], on_cuda=on_cuda,
                  cuda_workspace_bytes=workspaces,
-                 tp=grid["tp"], pp=grid["pp"], cp=grid.get("cp", 1),
+                 tp=grid["tp"], pp=grid["pp"], cp=grid.get("cp", 1), ep=grid.get("ep", 1),
                  sequence_parallel=bool(extra.get("sequence_parallel")),
                  attention=extra.get("attention", "sdpa"))  # a T5 run may compute attention eagerly
 

@@ -62,7 +62,7 @@ GUIDE_NAMES = {"DDP": ("DDP",), "ZeRO": ("ZeRO",), "TP": ("TP", "ZeRO+TP"),
 # package's production ZeRO-3)
 ADVISED = tuple(name for name, s in STRATEGY_TABLE.items() if s.advised)
 # what a plan changes in the model and sends, least first: the order among plans equally fast
-SIMPLEST_FIRST = ("DDP", "ZeRO", "TP", "ZeRO+TP", "ZeRO+CP", "PP", "PP+DP", "PP+TP", "PP+TP+DP")
+SIMPLEST_FIRST = ("DDP", "ZeRO", "EP", "EP+DP", "TP", "ZeRO+TP", "ZeRO+CP", "PP", "PP+DP", "PP+TP", "PP+TP+DP")
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,8 @@ class Plan:
             return "ZeRO+TP" if d["dp"] > 1 else "TP"
         if d.get("cp", 1) > 1:
             return "ZeRO+CP"
+        if s == "ep-scratch":  # a mixture of experts: its experts cut over ep of the data-parallel ranks
+            return "DDP" if d.get("ep", 1) == 1 else "EP" if d["ep"] == d["dp"] else "EP+DP"
         return "DDP" if s == "ddp" else "ZeRO"
 
     @property
@@ -103,7 +105,8 @@ class Plan:
         if s in PIPELINES:
             return s + "".join(f" --{k} {d[k]}" for k in ("pp", "tp", "dp") if d[k] > 1)
         return s + (f" --tp {d['tp']}" if d["tp"] > 1 and s != "tp" else "") + (
-            f" --cp {d['cp']}" if d.get("cp", 1) > 1 else "")
+            f" --cp {d['cp']}" if d.get("cp", 1) > 1 else "") + (
+            f" --ep {d.get('ep', 1)}" if s == "ep-scratch" else "")
 
     @property
     def command(self) -> str:
@@ -320,9 +323,13 @@ def grids(base: Setup, machine: Machine) -> list[Setup]:
     from multigpu.models import family, tensor_parallel_problems
 
     n, per_node = machine.gpus, machine.gpus_per_node
-    plain = replace(base, world_size=n, tp=1, pp=1, cp=1, grad_accum_steps=1)
+    plain = replace(base, world_size=n, tp=1, pp=1, cp=1, ep=None, grad_accum_steps=1)
     if n == 1:
         return [replace(plain, strategy="single")]
+    experts = model_shape(base.model).experts
+    if experts:  # a mixture of experts trains with ep-scratch (ep 1: data parallel); its all-to-all inside a node
+        return [replace(plain, strategy="ep-scratch", ep=e) for e in _divisors(min(n, per_node))
+                if n % e == 0 and experts % e == 0]
     out = [replace(plain, strategy=s) for s in ADVISED]
     if base.model.startswith("params:") or family(base.model) != "gpt":
         return out  # tensor and pipeline parallelism cut the package's GPT only

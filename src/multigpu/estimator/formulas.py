@@ -307,3 +307,46 @@ def tp_mlp_even_width(tokens: int, ranks: int, flops_per_s: float, alpha_s: floa
     b = -2 * beta_s_per_byte * sent_bytes("all_reduce", value_bytes * tokens, ranks)
     c = -2 * alpha_s
     return (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+
+
+# -- mixtures of experts ---------------------------------------------------------------------
+
+def moe_expert_parameters(d_model: int, expert_ffn: int, experts: int, moe_layers: int, gated: bool = True,
+                          biases: bool = False) -> int:
+    """Parameters of the routed experts of a mixture of experts: per layer E MLPs d -> f -> d, three
+    matrices each where the MLP is gated (SwiGLU: Mixtral, DeepSeek), two otherwise (GELU: this
+    package's), with their biases where it has them."""
+    per_expert = (3 if gated else 2) * d_model * expert_ffn + ((expert_ffn + d_model) if biases else 0)
+    return moe_layers * experts * per_expert
+
+
+def moe_active_parameters(total: int, expert_parameters: int, experts: int, top_k: int) -> int:
+    """Parameters one token computes with: everything but the routed experts, and k of every E."""
+    return total - expert_parameters + expert_parameters * top_k // experts
+
+
+def ep_states_per_rank(total: int, expert_parameters: int, ep: int, bytes_per_parameter: float = 16) -> float:
+    """Model states a rank keeps under expert parallelism alone: the dense part whole, 1/ep of the
+    experts; 16 bytes a parameter by default (mixed-precision Adam: ZeRO paper, Rajbhandari et al.
+    2020, section 3.1)."""
+    return (total - expert_parameters + expert_parameters / ep) * bytes_per_parameter
+
+
+def ep_all_to_all_bytes_per_token(top_k: int, d_model: int, value_bytes: int) -> int:
+    """Bytes per token and MoE layer that forward hands to the two all-to-alls (dispatch, then
+    combine): each of its k choices' d_model values out and back, 2 k h e. Backward the same again.
+    Of it, (ep - 1)/ep leaves the rank on average: a choice lands on the rank's own experts 1/ep of
+    the time."""
+    return 2 * top_k * d_model * value_bytes
+
+
+def dropped_share_uniform(capacity_factor: float, tokens: int, top_k: int, experts: int) -> float:
+    """The expected share of (token, choice) assignments dropped when each of `tokens` tokens of a
+    group (a sequence here) picks its k experts uniformly at random and each expert takes
+    C = ceil(factor x tokens x k / E) of them: an expert's load is then Binomial(tokens, k/E) (a
+    token picks k different experts), of which max(0, load - C) are dropped. An even load would drop
+    max(0, 1 - C E / (tokens k)) of them; a skewed router drops more."""
+    n, p = tokens, top_k / experts
+    limit = math.ceil(capacity_factor * tokens * top_k / experts)
+    over = sum(math.comb(n, x) * p**x * (1 - p) ** (n - x) * (x - limit) for x in range(limit + 1, n + 1))
+    return experts * over / (tokens * top_k)

@@ -40,6 +40,20 @@ class ModelShape:
     vocab_size: int | None  # None: a bare parameter count, no activations known
     family: str | None  # "gpt", "t5" or None
     tensors: int = 0  # parameter tensors (each rounded up to 512 bytes by the CUDA allocator)
+    # a mixture of experts: its routed experts' parameters (all layers), the largest of their tensors, the
+    # largest tensor outside them, and E and k (0: a dense model)
+    expert_parameters: int = 0
+    largest_expert_tensor: int = 0
+    largest_dense_tensor: int = 0
+    experts: int = 0
+    top_k: int = 0
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token computes with: the dense part and k of every layer's E experts."""
+        if not self.experts:
+            return self.parameters
+        return self.parameters - self.expert_parameters + self.expert_parameters * self.top_k // self.experts
 
 
 @dataclass(frozen=True)
@@ -122,9 +136,17 @@ def model_shape(model: str) -> ModelShape:
     largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     outside = sum(p.numel() for p in params if id(p) not in in_blocks)
     vocab = built.cfg.vocab_size if family == "gpt" else built.config.vocab_size
+    from multigpu.moe import layers
+
+    moe = layers(built)
+    routed = {id(p) for layer in moe for p in layer.experts.parameters()}
+    largest_of = lambda ps: max((p.numel() for p in ps), default=0)  # noqa: E731
     return ModelShape(model, total, largest, outside, blocks=len(blocks),
                       largest_tensor=max(p.numel() for p in params), vocab_size=vocab, family=family,
-                      tensors=len(params))
+                      tensors=len(params), expert_parameters=sum(p.numel() for p in params if id(p) in routed),
+                      largest_expert_tensor=largest_of(p for p in params if id(p) in routed),
+                      largest_dense_tensor=largest_of(p for p in params if id(p) not in routed),
+                      experts=moe[0].experts_total if moe else 0, top_k=moe[0].top_k if moe else 0)
 
 
 @dataclass(frozen=True)
@@ -286,10 +308,10 @@ def _activation_costs(*args) -> dict[str, ActivationCost]:
         return _traced_costs(*args)
     import transformers
 
-    from multigpu import hf, loss, models
+    from multigpu import hf, loss, models, moe
 
     parts = [repr(args), torch.__version__, transformers.__version__,
-             *(Path(m.__file__).read_text() for m in (models, hf, loss)), Path(__file__).read_text()]
+             *(Path(m.__file__).read_text() for m in (models, hf, loss, moe)), Path(__file__).read_text()]
     if str(args[0]).endswith(".json") and Path(args[0]).is_file():
         parts.append(Path(args[0]).read_text())
     path = Path(folder) / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()}.pickle"
@@ -339,7 +361,9 @@ def _traced_costs(model: str, seq_len: int, target_len: int | None, weights: str
     encoder_blocks = len(built.encoder.block) if family == "t5" else 0
     blocks = transformer_blocks(built)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    with mode:
+    from multigpu.moe import even_routing
+
+    with mode, even_routing():  # a mixture of experts: a balanced load (fake tensors hold no scores)
         skip = {t.untyped_storage()._cdata for t in [*built.parameters(), *built.buffers()]}
         # T5's position bias, an attention mask that broadcasts over the batch, is used as it is at
         # batch 1 and copied batch-wide inside the attention call from batch 2 on: where that copy

@@ -115,6 +115,7 @@ class Setup:
     pp: int = 1  # pipeline ranks, with a pp-* strategy (default: what tp leaves); its micro-batches: grad_accum_steps
     sequence_parallel: bool = False  # tensor parallel: the residual stream and LayerNorms cut along the sequence
     cp: int = 1  # context-parallel degree: cp-scratch (default: all ranks), or fsdp with cp; ring attention, zig-zag
+    ep: int | None = None  # expert-parallel degree inside dp (ep-scratch; None: every dp rank its own experts)
 
     @property
     def replicas(self) -> int:
@@ -135,7 +136,7 @@ class Setup:
         (tp x pp)), and a pipeline given its pp takes the ranks left as data-parallel ranks
         (FSDP inside each stage). Raises ConfigError, with the arithmetic, for degrees that do
         not tile the world or that the strategy does not take."""
-        return resolve_grid(self.strategy, self.world_size, tp=self.tp, pp=self.pp, cp=self.cp)
+        return resolve_grid(self.strategy, self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
 
 
 MAX_SEQ_LEN = 2**20  # a million tokens: beyond any model here, and beyond what a trace can allocate
@@ -176,6 +177,13 @@ def _check_cut(setup: Setup, grid: Grid) -> None:
                           "tp > 1, and the pipelines do not run it inside their stages")
     from multigpu.models import family, tensor_parallel_problems
 
+    if grid.ep > 1:
+        shape = model_shape(setup.model)
+        if not shape.experts:
+            raise ConfigError(f"expert parallelism cuts a mixture of experts' experts; {setup.model} has none: use a "
+                              "gpt-moe-* preset")
+        if shape.experts % grid.ep:
+            raise ConfigError(f"ep {grid.ep} does not divide the {shape.experts} experts of each layer")
     if grid.cp > 1:
         from multigpu.strategies.cp_attention import sequence_problem
 
@@ -218,6 +226,8 @@ def data_parallel_kind(setup: Setup) -> str:
     """How the ranks holding the same piece of the model work together: the data-parallel
     strategy's own way; "single" for tensor parallelism or a pipeline with no data-parallel
     ranks; "pp-fsdp" for FSDP inside a pipeline's stages."""
+    if "ep" in STRATEGY_TABLE[setup.strategy].combines:  # ep-scratch: ddp-scratch's buckets over its share
+        return "ddp"
     if setup.strategy in DATA_PARALLEL:
         return setup.strategy
     if STRATEGY_TABLE[setup.strategy].spans == "cp":  # cp-scratch: whole replicas, a flat copy of the gradients

@@ -69,8 +69,13 @@ def rank_shares(setup: Setup) -> list[RankShare]:
     if grid.tp == grid.pp == 1:
         blocks = max(1, shape.blocks)
         recompute = ((full.fixed - cost.fixed) / blocks, (full.per_sample - cost.per_sample) / blocks)
-        return [RankShare(shape.parameters, shape.largest_block, shape.outside_blocks, shape.blocks,
-                          shape.largest_tensor, cost, recompute)]
+        # expert parallelism: a rank keeps 1/ep of every layer's routed experts (its activations are a
+        # balanced layer's: it runs as many (token, expert) pairs as it sends, whichever rank's they are)
+        cut = shape.expert_parameters - shape.expert_parameters // grid.ep
+        largest = max(shape.largest_dense_tensor, shape.largest_expert_tensor // grid.ep) if grid.ep > 1 \
+            else shape.largest_tensor
+        return [RankShare(shape.parameters - cut, shape.largest_block - cut // blocks, shape.outside_blocks,
+                          shape.blocks, largest, cost, recompute)]
     return [_model_parallel_share(setup, rank, cost, full) for rank in range(grid.pp)]
 
 

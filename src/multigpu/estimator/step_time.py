@@ -48,7 +48,7 @@ class StepTime:
 
 
 def flops_per_sample(setup: Setup) -> float:
-    """FLOPs of forward and backward for one sample: 6 per parameter per token plus the
+    """FLOPs of forward and backward for one sample: 6 per (active) parameter per token plus the
     attention's 12 L h s per token (8 and 16 when activation checkpointing runs forward
     twice). T5: each half of the parameters sees one of the two lengths, taken as their mean."""
     shape = model_shape(setup.model)
@@ -58,7 +58,7 @@ def flops_per_sample(setup: Setup) -> float:
     if shape.family == "gpt":
         parts = gpt_parts(setup.model)
         attention = per_attention * parts.layers * parts.d_model * tokens
-    return (per_param * shape.parameters + attention) * tokens
+    return (per_param * shape.active_parameters + attention) * tokens  # a mixture of experts: k of E experts
 
 
 def attention_share(setup: Setup) -> float:
@@ -126,7 +126,12 @@ def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool =
         grads, weights, units = params * grad_width, params * weight_width, max(s.blocks for s in shares) + 1
         buckets = max(1, math.ceil(grads / (setup.bucket_cap_mb * 2**20)))  # gradients go in buckets
         run = data_parallel_kind(setup)
-        if run == "ddp":
+        if run == "ddp" and grid.ep > 1:  # ep-scratch: the dense part over dp, a rank's experts over their copies
+            routed = model_shape(setup.model).expert_parameters // grid.ep * grad_width
+            copies_link, copies_share = group_link(machine, n // grid.ep, grid.ep)
+            seconds = (link.seconds("all_reduce", grads - routed, n, share, calls=buckets)
+                       + copies_link.seconds("all_reduce", routed, n // grid.ep, copies_share, calls=buckets))
+        elif run == "ddp":
             seconds = link.seconds("all_reduce", grads, n, share, calls=buckets)
         elif run in ("zero1", "zero2"):
             scatters = m if run == "zero2" else 1  # ZeRO-2 keeps only its gradient shard between micro-batches
@@ -169,6 +174,14 @@ def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool =
                                calls=calls)
         attention = compute * attention_share(setup) if overlap else 0.0
         comm["cp"], exposed["cp"] = seconds, max(0.0, seconds - attention)
+    if grid.ep > 1:  # per micro-batch and MoE layer: the counts, then each token's k rows to their experts and
+        # back (dispatch, combine), forward and again backward; the next layer waits for them: nothing hides
+        shape = model_shape(setup.model)
+        tokens = global_batch // (dp * m) * setup.seq_len
+        rows = 4 * tokens * shape.top_k * gpt_parts(setup.model).d_model * act_width  # bytes a rank hands over
+        link, share = group_link(machine, grid.ep, 1)
+        calls = m * shape.blocks * 5
+        comm["ep"] = exposed["ep"] = link.seconds("all_to_all", m * shape.blocks * rows, grid.ep, share, calls=calls)
     bubble = 0.0
     if kind in PIPELINES:  # each micro-batch's activations forward and their gradients back, per stage crossed
         from multigpu.estimator.formulas import bubble_over_ideal

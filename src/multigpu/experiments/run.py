@@ -24,6 +24,7 @@ from multigpu.experiments.collectives import async_staleness, collectives_bandwi
 from multigpu.experiments.compositions import compositions
 from multigpu.experiments.context_parallel import cp_balance, cp_longest, cp_memory, cp_timeline, cp_variants
 from multigpu.experiments.data_parallel import ddp_buckets, ddp_learning, ddp_scaling, ddp_vs_scratch, dp_vs_ddp
+from multigpu.experiments.experts import moe_balance, moe_capacity, moe_ep
 from multigpu.experiments.machine import Job, on_gpus
 from multigpu.experiments.model_parallel import (
     pp_bubble,
@@ -71,6 +72,9 @@ EXPERIMENTS = {
     "cp_balance": cp_balance,
     "cp_longest": cp_longest,
     "cp_timeline": cp_timeline,
+    "moe_balance": moe_balance,
+    "moe_capacity": moe_capacity,
+    "moe_ep": moe_ep,
 }
 
 

@@ -155,7 +155,7 @@ def parallelize(model, dp_group, ep: int) -> tuple[list, list]:
             for name, p in list(experts.named_parameters()):
                 setattr(experts, name, torch.nn.Parameter(p[me * held:(me + 1) * held].clone()))
         experts.first = me * held
-        layer.dispatch = ExpertDispatch(experts, group)
+        layer.dispatch = ExpertDispatch(experts, group) if ep > 1 else None  # ep 1: plain data parallel
         layer.reduce_counts = _summed(dp_group)
     return group, copies
 
