@@ -294,18 +294,19 @@ def test_matches_one_device(case):
 
 # -- the estimator against the CUDA allocator ------------------------------------------------
 
-@pytest.mark.parametrize("strategy", ["single", "ddp", "zero2", "fsdp"])
+@pytest.mark.parametrize("strategy", ["single", "ddp", "zero2", "fsdp", "ep-scratch"])
 def test_estimate_agrees_with_the_cuda_allocator(strategy):
-    """tests/test_estimate.py's GPU test, also on one GPU (single): the estimated peak of rank 0
-    within 10% of what the caching allocator held at its peak (cuBLAS's workspaces and the
-    allocator's rounding included)."""
-    world = 1 if strategy == "single" else 2
+    """tests/test_estimate.py's GPU test, also on one GPU (single; ep-scratch: a mixture of experts,
+    ep 1): the estimated peak of rank 0 within 10% of what the caching allocator held at its peak
+    (cuBLAS's workspaces and the allocator's rounding included)."""
+    world = 1 if strategy in ("single", "ep-scratch") else 2
     with recorded(f"estimate vs CUDA allocator: {strategy}", world_size=world, device=DEVICE) as row:
         _needs(world, f"the estimate for {strategy}")
         from multigpu.estimator.accuracy import setup_of
         from multigpu.estimator.peak import estimate
 
-        record = launch(RunConfig(strategy=strategy, world_size=world, model="gpt-small", seq_len=128,
+        model = "gpt-moe-small" if strategy == "ep-scratch" else "gpt-small"
+        record = launch(RunConfig(strategy=strategy, world_size=world, model=model, seq_len=128,
                                   global_batch_size=8, steps=3, optimizer="adamw", device=DEVICE), progress=False)
         _note(record)
         estimated = estimate(setup_of(record), 8).per_rank_bytes["total"]

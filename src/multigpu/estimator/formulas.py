@@ -348,5 +348,12 @@ def dropped_share_uniform(capacity_factor: float, tokens: int, top_k: int, exper
     max(0, 1 - C E / (tokens k)) of them; a skewed router drops more."""
     n, p = tokens, top_k / experts
     limit = math.ceil(capacity_factor * tokens * top_k / experts)
-    over = sum(math.comb(n, x) * p**x * (1 - p) ** (n - x) * (x - limit) for x in range(limit + 1, n + 1))
+    if p >= 1:  # every token to every expert
+        return experts * max(0, n - limit) / (tokens * top_k)
+
+    def pmf(x: int) -> float:  # in logarithms: the binomial coefficients of long sequences overflow a float
+        return math.exp(math.lgamma(n + 1) - math.lgamma(x + 1) - math.lgamma(n - x + 1)
+                        + x * math.log(p) + (n - x) * math.log1p(-p))
+
+    over = sum(pmf(x) * (x - limit) for x in range(limit + 1, n + 1))
     return experts * over / (tokens * top_k)

@@ -25,6 +25,8 @@ from torch import nn
 
 from multigpu.config import ATTENTION  # how attention is computed: one fused call, or op by op
 from multigpu.errors import ConfigError
+from multigpu.moe import even_routing
+from multigpu.moe import layers as moe_layers
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,8 @@ class ModelShape:
     vocab_size: int | None  # None: a bare parameter count, no activations known
     family: str | None  # "gpt", "t5" or None
     tensors: int = 0  # parameter tensors (each rounded up to 512 bytes by the CUDA allocator)
-    # a mixture of experts: its routed experts' parameters (all layers), the largest of their tensors, the
-    # largest tensor outside them, and E and k (0: a dense model)
+    # a mixture of experts (0: a dense model): its routed experts' parameters, the largest tensor among and
+    # outside them, E and k
     expert_parameters: int = 0
     largest_expert_tensor: int = 0
     largest_dense_tensor: int = 0
@@ -49,11 +51,10 @@ class ModelShape:
     top_k: int = 0
 
     @property
-    def active_parameters(self) -> int:
-        """Parameters one token computes with: the dense part and k of every layer's E experts."""
-        if not self.experts:
-            return self.parameters
-        return self.parameters - self.expert_parameters + self.expert_parameters * self.top_k // self.experts
+    def active_parameters(self) -> int:  # what one token computes with: the dense part, k of every E experts
+        from multigpu.estimator.formulas import moe_active_parameters
+
+        return moe_active_parameters(self.parameters, self.expert_parameters, self.experts or 1, self.top_k or 1)
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,7 @@ def model_shape(model: str) -> ModelShape:
     largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     outside = sum(p.numel() for p in params if id(p) not in in_blocks)
     vocab = built.cfg.vocab_size if family == "gpt" else built.config.vocab_size
-    from multigpu.moe import layers
-
-    moe = layers(built)
+    moe = moe_layers(built)
     routed = {id(p) for layer in moe for p in layer.experts.parameters()}
     largest_of = lambda ps: max((p.numel() for p in ps), default=0)  # noqa: E731
     return ModelShape(model, total, largest, outside, blocks=len(blocks),
@@ -361,8 +360,6 @@ def _traced_costs(model: str, seq_len: int, target_len: int | None, weights: str
     encoder_blocks = len(built.encoder.block) if family == "t5" else 0
     blocks = transformer_blocks(built)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    from multigpu.moe import even_routing
-
     with mode, even_routing():  # a mixture of experts: a balanced load (fake tensors hold no scores)
         skip = {t.untyped_storage()._cdata for t in [*built.parameters(), *built.buffers()]}
         # T5's position bias, an attention mask that broadcasts over the batch, is used as it is at
