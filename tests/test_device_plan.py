@@ -24,7 +24,8 @@ def _configs():
     for strategy in STRATEGY_TABLE:
         for world in (1,) if strategy == "single" else (2, 4, 8):
             extra = {"replicas": 2} if strategy == "fsdp" and world == 4 else {}
-            cfg = RunConfig(strategy=strategy, world_size=world, model="gpt-mini", global_batch_size=8,
+            model = "gpt-moe-tiny" if "ep" in STRATEGY_TABLE[strategy].combines else "gpt-mini"  # experts to cut
+            cfg = RunConfig(strategy=strategy, world_size=world, model=model, global_batch_size=8,
                             grad_accum_steps=4 if strategy.startswith("pp-") else 1, extra=extra)
             try:
                 yield cfg.validate()

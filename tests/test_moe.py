@@ -56,6 +56,7 @@ def test_capacity_is_first_choices_first_in_token_order():
     # then second choices of tokens 0, 1, 2 -> token 3 and token 0's second choice kept
     assert keep.tolist() == [[[True, True], [True, False], [False, False], [True, False]]]
     assert moe.capacity(1.25, 64, 2, 8) == 20 and moe.capacity(None, 64, 2, 8) is None
+    assert moe.capacity(1.1, 100, 1, 1) == 110  # not the 111 of 1.1 x 100 in binary
 
 
 def test_balancing_loss_is_one_when_even_and_the_count_of_experts_when_all_on_one():
@@ -127,18 +128,20 @@ def refused(**fields) -> str:
 
 def test_bad_input_is_refused_before_any_process_starts():
     m = dict(model="gpt-moe-tiny")
-    assert "ep 3 does not divide the 4 experts" in refused(strategy="ep-scratch", world_size=3, global_batch_size=9,
-                                                           **m)
-    assert "top_k 5 must be a whole number from 1 to the 4 experts" in refused(
+    message = refused(strategy="ep-scratch", world_size=3, global_batch_size=9, **m)
+    assert "ep 3 (ep is every data-parallel rank, dp 3, unless --ep says otherwise) does not divide the 4 " \
+           "experts" in message and message.endswith("use --ep 1")
+    assert "top_k 5 (--top-k) must be a whole number from 1 to the 4 experts" in refused(
         strategy="ep-scratch", world_size=2, extra={"moe_top_k": 5}, **m)
     for bad in (0, -1.0, float("nan")):
-        assert "capacity_factor must be a positive number" in refused(
+        assert "capacity_factor (--capacity-factor) must be a positive number" in refused(
             strategy="ep-scratch", world_size=2, extra={"moe_capacity_factor": bad}, **m)
     assert "ep 3 does not divide dp 4" in refused(strategy="ep-scratch", world_size=4, ep=3, **m)
     assert "does not cut experts (ep=2)" in refused(strategy="ddp", world_size=2, ep=2, **m)
     assert "with single or ep-scratch" in refused(strategy="ddp", world_size=2, **m)
     assert "gpt-tiny has none" in refused(strategy="ep-scratch", world_size=2)
-    assert "gpt-tiny is dense" in refused(strategy="single", extra={"moe_top_k": 1})
+    assert "--top-k routes a mixture of experts; gpt-tiny is not one of" in refused(strategy="single",
+                                                                                   extra={"moe_top_k": 1})
     assert "does not combine with tp" in refused(strategy="ep-scratch", world_size=4, tp=2, **m)
 
 

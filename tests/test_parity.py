@@ -145,7 +145,8 @@ def test_expert_parallel_matches_single_device(routing, world_size, request):
 @pytest.mark.parametrize("overrides", [
     dict(ep=2, grad_accum_steps=2, bucket_cap_mb=0.01),  # two copies of each half of the experts
     dict(ep=1, extra={"moe_capacity_factor": 1.0}),  # plain data parallel of the same model
-], ids=["dp4-ep2-accum2", "dp4-ep1-capacity1"])
+    dict(ep=4, activation_checkpointing=True),  # the experts' all-to-alls again in backward's recompute
+], ids=["dp4-ep2-accum2", "dp4-ep1-capacity1", "dp4-ep4-checkpointed"])
 def test_expert_parallel_inside_data_parallel(overrides, request):
     """ep divides dp: the experts' copies sum their gradients and divide by dp (not by the copies)."""
     result = parity(request, lambda overrides: _case("ep-scratch", 4, model="gpt-moe-tiny", **overrides))

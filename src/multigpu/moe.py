@@ -16,7 +16,7 @@ Three things make it trainable at scale, each here:
   batch is cut over ranks. capacity_factor None: no limit, nothing dropped.
 - **The load-balancing loss** (Switch eq. 4, GShard): aux = E x sum_i f_i x P_i, f_i the share of
   the batch's (token, choice) assignments routed to expert i, P_i the mean router probability
-  of expert i; 1 when the load is even, E when all go to one expert. It is added to the loss times
+  of expert i; 1 when the load is even, E/k when all go to the same k experts. It is added to the loss times
   aux_loss_coef (Switch's 0.01). f is counted over the whole batch: data-parallel ranks add their
   counts (`reduce_counts`, set by ep_scratch) before using them, so the loss, and its gradient,
   are those of one device holding the whole batch (the "global-batch" balance of Qiu et al. 2025).
@@ -60,21 +60,23 @@ def options_problems(experts: int, top_k, capacity_factor, aux_loss_coef) -> lis
     if not isinstance(experts, int) or experts < 1:
         problems.append(f"a MoE layer needs a whole number of experts >= 1, got {experts!r}")
     elif not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
-        problems.append(f"top_k {top_k!r} must be a whole number from 1 to the {experts} experts: each token "
-                        f"goes to k different experts")
+        problems.append(f"top_k {top_k!r} (--top-k) must be a whole number from 1 to the {experts} experts: each "
+                        f"token goes to k different experts")
     if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (
             int, float)) or not math.isfinite(capacity_factor) or capacity_factor <= 0):
-        problems.append(f"capacity_factor must be a positive number (1.0: room for an even share, 1.25: Switch's "
-                        f"25% slack) or None for no limit, got {capacity_factor!r}")
+        problems.append(f"capacity_factor (--capacity-factor) must be a positive number (1.0: room for an even "
+                        f"share, 1.25: Switch's 25% slack), or left out for no limit; got {capacity_factor!r}")
     if isinstance(aux_loss_coef, bool) or not isinstance(aux_loss_coef, (int, float)) or not (
             math.isfinite(aux_loss_coef) and aux_loss_coef >= 0):
-        problems.append(f"aux_loss_coef must be a number >= 0 (Switch uses 0.01), got {aux_loss_coef!r}")
+        problems.append(f"aux_loss_coef (--aux-loss-coef) must be a number >= 0 (Switch uses 0.01), got "
+                        f"{aux_loss_coef!r}")
     return problems
 
 
 def capacity(capacity_factor: float | None, tokens: int, top_k: int, experts: int) -> int | None:
-    """Places per expert in a group of `tokens` tokens: ceil(factor x tokens x k / E)."""
-    return None if capacity_factor is None else math.ceil(capacity_factor * tokens * top_k / experts)
+    """Places per expert in a group of `tokens` tokens: ceil(factor x tokens x k / E) (rounded first to
+    nine decimals, so that 1.1 x 100 is 110 places, not the 111 of its binary 110.00000000000001)."""
+    return None if capacity_factor is None else math.ceil(round(capacity_factor * tokens * top_k / experts, 9))
 
 
 class Experts(nn.Module):
@@ -91,9 +93,11 @@ class Experts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """tokens: (sum(counts), d_model), sorted by expert, counts[e] of them for the e-th held."""
-        out = [F.gelu(x @ self.fc_weight[e] + self.fc_bias[e]) @ self.proj_weight[e] + self.proj_bias[e]
-               for e, x in enumerate(tokens.split(counts))]
-        return torch.cat(out)
+        # unbound once (indexing each expert's weight would make its backward a whole (E, ...) tensor per expert);
+        # addmm: under autocast the bias joins the product in its dtype, so an expert's output stays bf16
+        weights = zip(*(p.unbind(0) for p in (self.fc_weight, self.fc_bias, self.proj_weight, self.proj_bias)))
+        return torch.cat([torch.addmm(b2, F.gelu(torch.addmm(b1, x, w1)), w2)
+                          for (w1, b1, w2, b2), x in zip(weights, tokens.split(counts))])
 
 
 class MoE(nn.Module):
@@ -112,13 +116,17 @@ class MoE(nn.Module):
         self.reduce_counts = None  # None: this device's batch is the whole batch; else sums counts over ranks
         self.aux_loss = None
         self.load: list[torch.Tensor] = []  # per forward: (E + 1,) tokens per expert (before capacity), dropped
+        self.aux: list[torch.Tensor] = []  # per forward: the balancing loss (times its coefficient)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
         E, k, N = self.experts_total, self.top_k, B * T
         tokens = x.reshape(N, H)
-        scores = self.router(tokens)  # (N, E); the softmax in fp32 at least (under autocast the scores are bf16)
-        probs = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1)
+        # the router in fp32 at least, outside autocast (Switch's "selective precision"): in bf16 its scores
+        # tie, and which expert a tie goes to would depend on the batch's shape
+        wide = torch.promote_types(tokens.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            probs = F.linear(tokens.to(wide), self.router.weight.to(wide)).softmax(dim=-1)  # (N, E)
         if _EVEN_ROUTING:  # the estimator's fake tensors hold no scores to choose by: an even load, nothing dropped
             chosen = (torch.arange(N * k, device=x.device) % E).view(N, k)
             weight, keep = probs.gather(1, chosen), torch.ones(N * k, dtype=torch.bool, device=x.device)
@@ -132,9 +140,11 @@ class MoE(nn.Module):
             weight = weight / weight.sum(dim=-1, keepdim=True)
         if self.reduce_counts is not None:
             counts = self.reduce_counts(counts)
-        self.load.append(counts.detach())
         share = counts[:E].float() / counts[:E].sum()  # f_i over the whole batch (no gradient: counts)
         self.aux_loss = self.aux_loss_coef * E * (share * probs.mean(dim=0)).sum()
+        if torch._C._current_graph_task_id() == -1:  # not activation checkpointing's recompute inside backward
+            self.load.append(counts.detach())
+            self.aux.append(self.aux_loss.detach())
 
         # the kept assignments, sorted by expert (stable: in token order within each expert)
         assigned = torch.arange(N * k, device=x.device) if _EVEN_ROUTING else keep.nonzero().view(-1)
@@ -143,12 +153,17 @@ class MoE(nn.Module):
         if not _EVEN_ROUTING:
             per_expert = torch.bincount(chosen.view(-1)[order], minlength=E)
         sent = tokens[token_of]
+        if torch.is_autocast_enabled(x.device.type):  # the rows travel and the experts compute in bf16
+            sent = sent.to(torch.get_autocast_dtype(x.device.type))
         if self.dispatch is None:
             y = self.experts(sent, per_expert if _EVEN_ROUTING else per_expert.tolist())
         else:
             y = self.dispatch(sent, per_expert)
-        out = torch.zeros(N, H, dtype=y.dtype, device=x.device)
-        out = out.index_add(0, token_of, y * weight.view(-1)[order].unsqueeze(1).to(y.dtype))
+        # each output in its (token, choice) place, then the k places summed: the same sum in the same order
+        # whatever the batch and the device (index_add's atomics on CUDA would add in any order)
+        placed = torch.zeros(N * k, H, dtype=y.dtype, device=x.device)
+        placed = placed.index_copy(0, order, y * weight.view(-1)[order].unsqueeze(1).to(y.dtype))
+        out = placed.view(N, k, H).sum(dim=1)
         for mlp in self.shared:
             out = out + mlp(tokens).to(out.dtype)
         return out.view(B, T, H).to(x.dtype)
@@ -220,4 +235,5 @@ def report(model: nn.Module) -> dict | None:
         return None
     return {"tokens_per_expert": [[c[:-1].tolist() for c in layer.load] for layer in moe],
             "dropped": [[int(c[-1]) for c in layer.load] for layer in moe],
+            "aux_loss": [[float(a) for a in layer.aux] for layer in moe],  # each layer's term of the loss
             "top_k": moe[0].top_k, "capacity_factor": moe[0].capacity_factor}

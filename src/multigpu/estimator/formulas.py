@@ -346,8 +346,10 @@ def dropped_share_uniform(capacity_factor: float, tokens: int, top_k: int, exper
     C = ceil(factor x tokens x k / E) of them: an expert's load is then Binomial(tokens, k/E) (a
     token picks k different experts), of which max(0, load - C) are dropped. An even load would drop
     max(0, 1 - C E / (tokens k)) of them; a skewed router drops more."""
+    from multigpu.moe import capacity
+
     n, p = tokens, top_k / experts
-    limit = math.ceil(capacity_factor * tokens * top_k / experts)
+    limit = capacity(capacity_factor, tokens, top_k, experts)
     if p >= 1:  # every token to every expert
         return experts * max(0, n - limit) / (tokens * top_k)
 

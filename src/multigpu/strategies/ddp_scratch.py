@@ -87,8 +87,9 @@ class GradBuckets:
         if self.next_to_launch < len(self.buckets):
             unused = [p.shape for p in self.buckets[self.next_to_launch] if p.grad is None]
             raise RuntimeError(
-                f"ddp-scratch: bucket {self.next_to_launch} never became ready; parameters of "
-                f"shapes {unused} got no gradient. Every parameter must be used in forward."
+                f"gradient buckets (ddp-scratch, cp-scratch, ep-scratch): bucket {self.next_to_launch} never "
+                f"became ready; parameters of shapes {unused} got no gradient. Every parameter must be used in "
+                "forward."
             )
         for i, handle in enumerate(self.handles):
             handle.wait()

@@ -23,13 +23,16 @@ arrives already summed over the ep ranks whose tokens it served (the all-to-all'
 brought theirs home); the other copies of the same expert (dp/ep of them, one per ep group)
 hold the sums of the other groups. So the expert gradients are summed over those copies and
 divided by dp, not by the dp/ep copies: dividing by the group's own size would make experts
-learn ep times too fast, and nothing would fail, which is why parity is tested against one device.
+learn ep times too fast under SGD (Adam, which divides by the gradients' own scale, would hide
+it), and nothing would fail: which is why parity is tested against one device, with SGD.
 
 `ep-scratch --world-size 4` is dp 4 = ep 4; `--ep 2` is dp 4 with two copies of each half of the
 experts; `--ep 1` is data parallel of the same model (all experts everywhere), the baseline.
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -54,10 +57,12 @@ def expert_problems(cfg) -> list[str]:
 
     layer, extra = moe_config(cfg.model), cfg.extra or {}
     asked = [f"--{ROUTING[k].replace('_', '-')}" for k in ROUTING if k in extra]
+    verb = "routes" if len(asked) == 1 else "route"
     takes = [name for name, s in STRATEGY_TABLE.items() if "ep" in s.combines]
     if layer is None:
-        problems = [f"{' and '.join(asked)} route a mixture of experts; {cfg.model} is dense: use a gpt-moe-* "
-                    "preset, or leave them out"] if asked else []
+        problems = [f"{' and '.join(asked)} {verb} a mixture of experts; {cfg.model} is not one of this package's "
+                    "mixture-of-experts presets (gpt-moe-tiny, gpt-moe-small): use one, or leave them out"
+                    ] if asked else []
         if cfg.strategy in takes:
             problems.append(f"{cfg.strategy} cuts a mixture of experts' experts over ranks; {cfg.model} has none: "
                             "use --model gpt-moe-tiny or gpt-moe-small")
@@ -69,11 +74,12 @@ def expert_problems(cfg) -> list[str]:
     top_k = extra.get("moe_top_k", layer.top_k)
     problems = moe.options_problems(layer.experts, top_k, extra.get("moe_capacity_factor", layer.capacity_factor),
                                     extra.get("moe_aux_loss_coef", layer.aux_loss_coef))
-    ep = cfg.degrees.get("ep", 1)
+    ep, dp = cfg.degrees.get("ep", 1), cfg.degrees["dp"]
     if layer.experts % ep:
-        fits = [d for d in range(1, layer.experts + 1) if layer.experts % d == 0]
-        problems.append(f"ep {ep} does not divide the {layer.experts} experts of each layer: every rank holds "
-                        f"an equal share; use an ep of {', '.join(map(str, fits))}")
+        fits = [d for d in range(1, dp + 1) if layer.experts % d == 0 and dp % d == 0]
+        given = "" if cfg.ep else f" (ep is every data-parallel rank, dp {dp}, unless --ep says otherwise)"
+        problems.append(f"ep {ep}{given} does not divide the {layer.experts} experts of each layer: every rank holds "
+                        f"an equal share; use --ep {' or '.join(map(str, fits))}")
     return problems
 
 
@@ -134,10 +140,14 @@ class ExpertDispatch:
         sent, got = to_each.sum(dim=1).tolist(), from_each.tolist()
         received = [sum(row) for row in got]
         arrived = _AllToAll.apply(tokens, received, sent, self.group)  # 3. dispatch: by source, then expert
-        # 4. regroup expert by expert (each expert's tokens from rank 0, then rank 1, ...), run, put back
-        starts = torch.tensor([0, *received], device=tokens.device).cumsum(0).tolist()
-        index = torch.cat([torch.arange(starts[s] + sum(got[s][:e]), starts[s] + sum(got[s][:e + 1]))
-                           for e in range(held) for s in range(self.ep)]).to(tokens.device)
+        # 4. regroup expert by expert (each expert's tokens from rank 0, then rank 1, ...), run, put back:
+        # block (s, e) of the arrivals starts at `start`; taken in (e, s) order, it is `length` rows long
+        blocks = [(s, e) for e in range(held) for s in range(self.ep)]
+        start = [sum(received[:s]) + sum(got[s][:e]) for s, e in blocks]
+        length = [got[s][e] for s, e in blocks]
+        jumps = torch.tensor([b - a for a, b in zip(accumulate([0, *length]), start)], device=tokens.device)
+        index = torch.arange(sum(length), device=tokens.device) + jumps.repeat_interleave(
+            torch.tensor(length, device=tokens.device), output_size=sum(length))
         out = self.experts(arrived[index], [sum(got[s][e] for s in range(self.ep)) for e in range(held)])
         back = torch.empty_like(out).index_copy(0, index, out)
         return _AllToAll.apply(back, sent, received, self.group)  # 5. combine: home again
@@ -173,10 +183,14 @@ def gather_experts(model, group) -> dict:
     state = dict(model.state_dict())
     ep = dist.get_world_size(group)
     for prefix, layer in ((n, m) for n, m in model.named_modules() if isinstance(m, moe.MoE)):
+        prefix = prefix.replace("_checkpoint_wrapped_module.", "")  # state_dict's names leave the wrapper out
         for name, p in layer.experts.named_parameters():
             parts = [torch.empty_like(p) for _ in range(ep)]
             dist.all_gather(parts, p.detach().contiguous(), group=group)
-            state[f"{prefix}.experts.{name}"] = torch.cat(parts)
+            key = f"{prefix}.experts.{name}"
+            if key not in state:
+                raise RuntimeError(f"ep-scratch: gathered experts {key!r}, which the model's state_dict does not name")
+            state[key] = torch.cat(parts)
     return state
 
 
