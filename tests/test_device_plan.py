@@ -24,7 +24,7 @@ def _configs():
     for strategy in STRATEGY_TABLE:
         for world in (1,) if strategy == "single" else (2, 4, 8):
             extra = {"replicas": 2} if strategy == "fsdp" and world == 4 else {}
-            model = "gpt-moe-tiny" if "ep" in STRATEGY_TABLE[strategy].combines else "gpt-mini"  # experts to cut
+            model = "gpt-moe-tiny" if STRATEGY_TABLE[strategy].spans_experts else "gpt-mini"  # experts to cut
             cfg = RunConfig(strategy=strategy, world_size=world, model=model, global_batch_size=8,
                             grad_accum_steps=4 if strategy.startswith("pp-") else 1, extra=extra)
             try:

@@ -304,6 +304,8 @@ HELD_OUT = [
          optimizer="adamw"),
     dict(model="gpt-moe-small", strategy="ep-scratch", world_size=4, ep=2, seq_len=64, global_batch_size=8,
          optimizer="sgd-momentum"),
+    dict(model="gpt-moe-small", strategy="fsdp", world_size=4, ep=2, seq_len=64, global_batch_size=8,
+         optimizer="adamw"),
 ]
 
 

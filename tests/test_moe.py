@@ -138,7 +138,9 @@ def test_bad_input_is_refused_before_any_process_starts():
             strategy="ep-scratch", world_size=2, extra={"moe_capacity_factor": bad}, **m)
     assert "ep 3 does not divide dp 4" in refused(strategy="ep-scratch", world_size=4, ep=3, **m)
     assert "does not cut experts (ep=2)" in refused(strategy="ddp", world_size=2, ep=2, **m)
-    assert "with single or ep-scratch" in refused(strategy="ddp", world_size=2, **m)
+    assert "with single or fsdp or ep-scratch" in refused(strategy="ddp", world_size=2, **m)
+    assert "composes with --ep here, not yet with --tp" in refused(strategy="fsdp", world_size=4, tp=2, **m)
+    assert "fsdp --ep cuts a mixture of experts' experts" in refused(strategy="fsdp", world_size=2, ep=2)
     assert "gpt-tiny has none" in refused(strategy="ep-scratch", world_size=2)
     assert "--top-k routes a mixture of experts; gpt-tiny is not one of" in refused(strategy="single",
                                                                                    extra={"moe_top_k": 1})

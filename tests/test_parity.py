@@ -142,15 +142,22 @@ def test_expert_parallel_matches_single_device(routing, world_size, request):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("overrides", [
-    dict(ep=2, grad_accum_steps=2, bucket_cap_mb=0.01),  # two copies of each half of the experts
-    dict(ep=1, extra={"moe_capacity_factor": 1.0}),  # plain data parallel of the same model
-    dict(ep=4, activation_checkpointing=True),  # the experts' all-to-alls again in backward's recompute
-], ids=["dp4-ep2-accum2", "dp4-ep1-capacity1", "dp4-ep4-checkpointed"])
-def test_expert_parallel_inside_data_parallel(overrides, request):
+@pytest.mark.parametrize("strategy, world_size, overrides", [
+    ("ep-scratch", 4, dict(ep=2, grad_accum_steps=2, bucket_cap_mb=0.01)),  # two copies of each half of the experts
+    ("ep-scratch", 4, dict(ep=1, extra={"moe_capacity_factor": 1.0})),  # plain data parallel of the same model
+    ("ep-scratch", 4, dict(ep=4, activation_checkpointing=True)),  # the all-to-alls again in backward's recompute
+    # FSDP x EP: each slice of the experts sharded over its copies, the rest over every rank
+    ("fsdp", 2, dict(ep=2)),  # a slice's copies: a mesh of one rank
+    ("fsdp", 4, dict(ep=2, grad_accum_steps=2, activation_checkpointing=True)),
+    ("fsdp", 4, dict(ep=4, extra={"moe_capacity_factor": 0.5})),
+    ("fsdp", 2, dict(ep=1)),  # FSDP of a mixture of experts: its counts summed over the ranks
+], ids=["dp4-ep2-accum2", "dp4-ep1-capacity1", "dp4-ep4-checkpointed", "fsdp2-ep2", "fsdp4-ep2-accum2-checkpointed",
+        "fsdp4-ep4-capacity0.5", "fsdp2-ep1"])
+def test_expert_parallel_inside_data_parallel(strategy, world_size, overrides, request):
     """ep divides dp: the experts' copies sum their gradients and divide by dp (not by the copies)."""
-    result = parity(request, lambda overrides: _case("ep-scratch", 4, model="gpt-moe-tiny", **overrides))
-    assert_parity(result, "ep-scratch", 4)
+    result = parity(request, lambda strategy, world_size, overrides: _case(strategy, world_size, model="gpt-moe-tiny",
+                                                                           **overrides))
+    assert_parity(result, strategy, world_size)
     assert result["grid"].get("ep", 1) == overrides["ep"]
     assert all(result["moe_same_routing"].values())
 

@@ -15,7 +15,7 @@ Expert parallelism (ep) is not a further factor: it cuts the experts of a mixtur
 model over ranks that are data-parallel ranks for everything else (as torchtitan and Megatron
 do), so ep divides dp. `ep-scratch --world-size 4` is dp 4 with ep 4 (each rank a quarter of
 the experts); `--ep 2` is dp 4 with ep 2 (two copies of each half); `--ep 1` is plain data
-parallel of the same model.
+parallel of the same model. `fsdp --ep 2` shards each half over its copies (FSDP's default is ep 1).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def resolve_grid(strategy: str, world_size: int, *, tp: int = 1, pp: int = 1, dp
         experts = [name for name, s in STRATEGY_TABLE.items() if "ep" in s.combines]
         raise ConfigError(f"strategy {strategy!r} does not cut experts (ep={ep}): expert parallelism is "
                           f"--strategy {' or '.join(experts)} with a mixture-of-experts model (gpt-moe-*)")
-    ep = (grid.dp if takes else 1) if ep is None else ep
+    ep = (grid.dp if STRATEGY_TABLE[strategy].spans_experts else 1) if ep is None else ep
     if grid.dp % ep:
         fits = [d for d in range(1, grid.dp + 1) if grid.dp % d == 0]
         raise ConfigError(f"ep {ep} does not divide dp {grid.dp}: the experts are cut over ranks that are "

@@ -28,6 +28,7 @@ class Strategy:
     fp16_refusal: str | None = "its gradients or its step are not the plain ones GradScaler expects"
     checkpoints_itself: bool = False  # applies activation checkpointing at its own place in compose's order
     cuda_only: str | None = None  # why it runs on CUDA GPUs only (the device plan refuses the CPU), if it does
+    spans_experts: bool = False  # its own name cuts a mixture of experts' experts: ep defaults to every dp rank
     advised: bool = False  # one of the data-parallel plans the advisor weighs (strategies the estimator models)
 
 
@@ -71,8 +72,9 @@ STRATEGY_TABLE: dict[str, Strategy] = {
     "zero1-torch": Strategy("zero_torch", "ZeRO stage 1 with PyTorch's ZeroRedundancyOptimizer and DDP",
                             "optimizer state (whole tensors)", 1, overlap="backward", fp16_refusal=_ZERO_FP16),
     "fsdp": Strategy("fsdp", "FSDP2 fully_shard per block (extra reshard_after_forward: True like ZeRO-3, "
-                             "False like ZeRO-2; with --tp: FSDP x TP, 2D)", _FSDP_SHARDS,
-                     3, combines=("tp", "cp"), estimated_as="fsdp", overlap="all", fp16_refusal=_FSDP_FP16,
+                             "False like ZeRO-2; with --tp: FSDP x TP, 2D; with --ep: a mixture of experts' "
+                             "experts cut over ep ranks, each slice sharded over its copies)", _FSDP_SHARDS,
+                     3, combines=("tp", "cp", "ep"), estimated_as="fsdp", overlap="all", fp16_refusal=_FSDP_FP16,
                      checkpoints_itself=True, advised=True),  # the package's production ZeRO-3
     # FSDP1's flat parameters are not modelled by the estimator
     "fsdp1": Strategy("fsdp1", "FSDP1 FullyShardedDataParallel with transformer_auto_wrap_policy",
@@ -127,7 +129,7 @@ STRATEGY_TABLE: dict[str, Strategy] = {
                                        "data-parallel ranks (--ep of them share one copy), tokens sent to their "
                                        "experts and back by all-to-all; the rest data parallel (--ep 1: all of it)",
                            "experts: each rank holds ep-th of every MoE layer's experts, and their states",
-                           combines=("ep",), estimated_as="ep-scratch", overlap="backward",
+                           combines=("ep",), estimated_as="ep-scratch", overlap="backward", spans_experts=True,
                            fp16_refusal="its step finishes two sets of gradient all-reduces (dense and experts) and "
                                         "updates in one call, leaving no point at which GradScaler could unscale"),
 }

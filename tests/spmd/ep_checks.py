@@ -37,7 +37,9 @@ def layer_checks(top_k: int = 2, capacity_factor=None, experts: int = 8, d_model
     ((ref_out * dout).sum() + reference.aux_loss).backward()
 
     mine = slice(rank * batch, (rank + 1) * batch)
-    ep_scratch.parallelize(layer, dist.group.WORLD, ep)
+    from multigpu.runtime import RankGrid
+
+    ep_scratch.parallelize(layer, RankGrid.build("cpu", dp=ep), ep)  # every rank of the world a dp rank
     part = x[mine].clone().requires_grad_()
     with CommCounter(ep) as counter:
         out = layer(part)

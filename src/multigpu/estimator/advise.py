@@ -62,7 +62,8 @@ GUIDE_NAMES = {"DDP": ("DDP",), "ZeRO": ("ZeRO",), "TP": ("TP", "ZeRO+TP"),
 # package's production ZeRO-3)
 ADVISED = tuple(name for name, s in STRATEGY_TABLE.items() if s.advised)
 # what a plan changes in the model and sends, least first: the order among plans equally fast
-SIMPLEST_FIRST = ("DDP", "ZeRO", "EP", "EP+DP", "TP", "ZeRO+TP", "ZeRO+CP", "PP", "PP+DP", "PP+TP", "PP+TP+DP")
+SIMPLEST_FIRST = ("DDP", "ZeRO", "EP", "EP+DP", "ZeRO+EP", "TP", "ZeRO+TP", "ZeRO+CP", "PP", "PP+DP", "PP+TP",
+                  "PP+TP+DP")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ class Plan:
             return "ZeRO+CP"
         if s == "ep-scratch":  # a mixture of experts: its experts cut over ep of the data-parallel ranks
             return "DDP" if d.get("ep", 1) == 1 else "EP" if d["ep"] == d["dp"] else "EP+DP"
+        if d.get("ep", 1) > 1:
+            return "ZeRO+EP"
         return "DDP" if s == "ddp" else "ZeRO"
 
     @property
@@ -106,7 +109,7 @@ class Plan:
             return s + "".join(f" --{k} {d[k]}" for k in ("pp", "tp", "dp") if d[k] > 1)
         return s + (f" --tp {d['tp']}" if d["tp"] > 1 and s != "tp" else "") + (
             f" --cp {d['cp']}" if d.get("cp", 1) > 1 else "") + (
-            f" --ep {d.get('ep', 1)}" if s == "ep-scratch" else "")
+            f" --ep {d.get('ep', 1)}" if s == "ep-scratch" or d.get("ep", 1) > 1 else "")
 
     @property
     def command(self) -> str:
@@ -327,8 +330,8 @@ def grids(base: Setup, machine: Machine) -> list[Setup]:
     if n == 1:
         return [replace(plain, strategy="single")]
     experts = model_shape(base.model).experts
-    if experts:  # a mixture of experts trains with ep-scratch (ep 1: data parallel); its all-to-all inside a node
-        return [replace(plain, strategy="ep-scratch", ep=e) for e in _divisors(min(n, per_node))
+    if experts:  # a mixture of experts trains with ep-scratch or fsdp (ep 1: no experts cut); the all-to-all in a node
+        return [replace(plain, strategy=s, ep=e) for s in ("ep-scratch", "fsdp") for e in _divisors(min(n, per_node))
                 if n % e == 0 and experts % e == 0]
     out = [replace(plain, strategy=s) for s in ADVISED]
     if base.model.startswith("params:") or family(base.model) != "gpt":

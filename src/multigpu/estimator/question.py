@@ -177,13 +177,15 @@ def _check_cut(setup: Setup, grid: Grid) -> None:
                           "tp > 1, and the pipelines do not run it inside their stages")
     from multigpu.models import family, tensor_parallel_problems
 
-    if grid.ep > 1:
-        shape = model_shape(setup.model)
-        if not shape.experts:
-            raise ConfigError(f"expert parallelism cuts a mixture of experts' experts; {setup.model} has none: use a "
-                              "gpt-moe-* preset")
-        if shape.experts % grid.ep:
-            raise ConfigError(f"ep {grid.ep} does not divide the {shape.experts} experts of each layer")
+    experts = 0 if setup.model.startswith("params:") else model_shape(setup.model).experts
+    takes_experts = "ep" in STRATEGY_TABLE[s].combines
+    if (STRATEGY_TABLE[s].spans_experts or grid.ep > 1) and not experts:
+        raise ConfigError(f"{s} cuts a mixture of experts' experts; {setup.model} has none: use a gpt-moe-* preset")
+    if experts and not takes_experts and s != "single":  # as RunConfig refuses it (ep_scratch.expert_problems)
+        raise ConfigError(f"a mixture of experts trains here with single, ep-scratch or fsdp (--ep 1: plain data "
+                          f"parallel of it), not {s}: its balancing loss counts the whole batch's tokens")
+    if experts % grid.ep:
+        raise ConfigError(f"ep {grid.ep} does not divide the {experts} experts of each layer")
     if grid.cp > 1:
         from multigpu.strategies.cp_attention import sequence_problem
 
@@ -226,7 +228,7 @@ def data_parallel_kind(setup: Setup) -> str:
     """How the ranks holding the same piece of the model work together: the data-parallel
     strategy's own way; "single" for tensor parallelism or a pipeline with no data-parallel
     ranks; "pp-fsdp" for FSDP inside a pipeline's stages."""
-    if "ep" in STRATEGY_TABLE[setup.strategy].combines:  # ep-scratch: ddp-scratch's buckets over its share
+    if STRATEGY_TABLE[setup.strategy].spans_experts:  # ep-scratch: ddp-scratch's buckets over its share
         return "ddp"
     if setup.strategy in DATA_PARALLEL:
         return setup.strategy

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from multigpu.estimator.model_trace import ActivationCost, GPTParts, activation_cost, gpt_parts, model_shape
-from multigpu.estimator.question import PIPELINES, Setup, data_parallel_kind
+from multigpu.estimator.question import PIPELINES, Setup, _zero_stage, data_parallel_kind
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,15 @@ def rank_shares(setup: Setup) -> list[RankShare]:
         blocks = max(1, shape.blocks)
         recompute = ((full.fixed - cost.fixed) / blocks, (full.per_sample - cost.per_sample) / blocks)
         # expert parallelism: a rank keeps 1/ep of every layer's routed experts (its activations are a
-        # balanced layer's: it runs as many (token, expert) pairs as it sends, whichever rank's they are)
+        # balanced layer's: it runs as many (token, expert) pairs as it sends, whichever rank's they are).
+        # Under FSDP a rank keeps 1/dp of everything either way (the experts' slice sharded over its dp/ep
+        # copies); what ep changes there is what a block gathers: its slice of the experts only
         cut = shape.expert_parameters - shape.expert_parameters // grid.ep
+        kept = shape.parameters - (0 if _zero_stage(setup) == 3 else cut)
         largest = max(shape.largest_dense_tensor, shape.largest_expert_tensor // grid.ep) if grid.ep > 1 \
             else shape.largest_tensor
-        return [RankShare(shape.parameters - cut, shape.largest_block - cut // blocks, shape.outside_blocks,
-                          shape.blocks, largest, cost, recompute)]
+        return [RankShare(kept, shape.largest_block - cut // blocks, shape.outside_blocks, shape.blocks, largest, cost,
+                          recompute)]
     return [_model_parallel_share(setup, rank, cost, full) for rank in range(grid.pp)]
 
 

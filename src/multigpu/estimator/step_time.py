@@ -174,14 +174,21 @@ def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool =
                                calls=calls)
         attention = compute * attention_share(setup) if overlap else 0.0
         comm["cp"], exposed["cp"] = seconds, max(0.0, seconds - attention)
-    if grid.ep > 1:  # per micro-batch and MoE layer: the counts, then each token's k rows to their experts and
-        # back (dispatch, combine), forward and again backward; the next layer waits for them: nothing hides
-        shape = model_shape(setup.model)
-        tokens = global_batch // (dp * m) * setup.seq_len
-        rows = 4 * tokens * shape.top_k * gpt_parts(setup.model).d_model * act_width  # bytes a rank hands over
-        link, share = group_link(machine, grid.ep, 1)
-        calls = m * shape.blocks * 5
-        comm["ep"] = exposed["ep"] = link.seconds("all_to_all", m * shape.blocks * rows, grid.ep, share, calls=calls)
+    shape = model_shape(setup.model)
+    if shape.experts and dp > 1:  # a mixture of experts, per micro-batch and MoE layer (again in checkpointing's
+        # recompute): its E + 1 counts summed over dp for the balancing loss; with ep, the counts to the ep ranks,
+        # then each token's k rows to their experts and back (dispatch, combine), and backward's two; the
+        # next layer waits for them: nothing hides
+        passes = m * shape.blocks * (2 if setup.activation_checkpointing else 1)
+        link, share = group_link(machine, dp, 1)
+        seconds = link.seconds("all_reduce", passes * (shape.experts + 1) * 8, dp, share, calls=passes)
+        if grid.ep > 1:
+            tokens = global_batch // (dp * m) * setup.seq_len
+            rows = tokens * shape.top_k * gpt_parts(setup.model).d_model * act_width  # one all-to-all's, a rank's
+            link, share = group_link(machine, grid.ep, 1)
+            seconds += link.seconds("all_to_all", passes * (shape.experts * 8 + 2 * rows) + m * shape.blocks * 2 * rows,
+                                    grid.ep, share, calls=passes * 3 + m * shape.blocks * 2)
+        comm["moe"] = exposed["moe"] = seconds
     bubble = 0.0
     if kind in PIPELINES:  # each micro-batch's activations forward and their gradients back, per stage crossed
         from multigpu.estimator.formulas import bubble_over_ideal

@@ -3,8 +3,8 @@ tokens over a short training run, with and without the balancing loss; the token
 capacity factor tightens; and expert parallelism against data parallelism of the same model (memory
 per rank, the all-to-all's bytes, step time).
 
-All on gpt-moe-small (6 layers of 8 experts, 2 per token, 27M parameters of which 12M compute per
-token). The routing runs train on one device: the router, not the ranks, decides the load. The
+All on gpt-moe-small (6 layers of 8 experts, 2 per token, 27.4M parameters of which 8.5M compute
+per token). The routing runs train on one device: the router, not the ranks, decides the load. The
 ep runs train on 2 and up to 4 ranks; on GPUs they go to NCCL where there are enough of them.
 """
 

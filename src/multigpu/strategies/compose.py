@@ -26,6 +26,9 @@ Under a pipeline, FSDP keeps the gathered parameters from forward to backward
 (`reshard_after_forward=False`): a stage runs many micro-batches' forwards before their
 backwards, and re-gathering for each would multiply the all-gathers by the micro-batches.
 
+A mixture of experts' experts (`fsdp --ep N`, ep_scratch.shard_experts) are cut over ep ranks and
+sharded over the ranks holding the same slice in step 4, before the blocks, which leave them out.
+
 `fsdp --tp N` (2D) applies steps 2-4 to the whole model; `pp-* --tp N --dp N` (PP x TP,
 PP x FSDP, 3D) applies step 1, then steps 2-4 to each stage. The from-scratch 2D
 composition (`ddp-scratch --tp N`, in `ddp_scratch.py`) swaps the layers for
@@ -38,6 +41,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from multigpu import moe
 from multigpu.models import apply_activation_checkpointing, transformer_blocks
 from multigpu.strategies import tp_plan
 
@@ -64,6 +68,12 @@ def parallelize(model: nn.Module, cfg, grid, *, shard: bool, root: nn.Module | N
         dp_mesh = grid.mesh["dp"] if replicas == 1 else hybrid_mesh(grid, replicas)
         if grid.size("cp") > 1:  # each cp rank holds the whole model too: shard over dp x cp (torchtitan's dp_shard_cp)
             dp_mesh = grid.mesh["dp", "cp"]._flatten("dp_cp")
+        if moe.layers(model):  # a mixture of experts: its counts summed over dp; with --ep its experts cut and
+            # sharded over their copies first, so that the blocks' units leave them out (torchtitan's order)
+            from multigpu.strategies import ep_scratch
+
+            ep_scratch.shard_experts(model, cfg, grid, reshard_after_forward=reshard_after_forward,
+                                     mp_policy=precision(cfg))
         fully_shard_blocks(model, dp_mesh, cfg, root=root, reshard_after_forward=reshard_after_forward)
     if grid.size("cp") > 1:  # the sequence cut last, outside: the wrapper only slices batches and sums losses
         from multigpu.strategies import cp_scratch
@@ -77,12 +87,17 @@ def fully_shard_blocks(model: nn.Module, dp_mesh, cfg, *, root: nn.Module | None
     """FSDP2 over the data-parallel ranks: each transformer block one unit, then the root.
     dtype bf16-mixed: bf16 parameters for compute, fp32 gradient reduction.
     extra `wrap`: "blocks" (default) or "root" (the whole model one unit)."""
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if cfg.dtype == "bf16-mixed" else MixedPrecisionPolicy())
+    mp = precision(cfg)
     if (cfg.extra or {}).get("wrap", "blocks") == "blocks":
         for block in transformer_blocks(model):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(root or model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+
+
+def precision(cfg) -> MixedPrecisionPolicy:
+    """FSDP's mixed precision: under bf16-mixed bf16 parameters for compute, fp32 gradient reduction."""
+    return (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if cfg.dtype == "bf16-mixed" else MixedPrecisionPolicy())
 
 
 def hybrid_mesh(grid, replicas: int):

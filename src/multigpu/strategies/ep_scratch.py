@@ -63,15 +63,20 @@ def expert_problems(cfg) -> list[str]:
         problems = [f"{' and '.join(asked)} {verb} a mixture of experts; {cfg.model} is not one of this package's "
                     "mixture-of-experts presets (gpt-moe-tiny, gpt-moe-small): use one, or leave them out"
                     ] if asked else []
-        if cfg.strategy in takes:
-            problems.append(f"{cfg.strategy} cuts a mixture of experts' experts over ranks; {cfg.model} has none: "
-                            "use --model gpt-moe-tiny or gpt-moe-small")
+        if STRATEGY_TABLE[cfg.strategy].spans_experts or cfg.degrees.get("ep", 1) > 1:
+            problems.append(f"{cfg.strategy}{' --ep' if cfg.degrees.get('ep', 1) > 1 else ''} cuts a mixture of "
+                            f"experts' experts over ranks; {cfg.model} has none: use --model gpt-moe-tiny or "
+                            "gpt-moe-small")
         return problems
     if cfg.strategy not in ("single", *takes):
-        return [f"a mixture of experts trains here with single or {', '.join(takes)} (--ep 1: plain data "
-                f"parallel of it): its balancing loss counts the whole batch's tokens, which {cfg.strategy!r} "
-                "would count rank by rank"]
+        return [f"a mixture of experts trains here with single or {' or '.join(takes)} (with --ep, or --ep 1 for "
+                f"plain data parallel of it): its balancing loss counts the whole batch's tokens, which "
+                f"{cfg.strategy!r} would count rank by rank"]
     top_k = extra.get("moe_top_k", layer.top_k)
+    if any(cfg.degrees.get(d, 1) > 1 for d in ("tp", "pp", "cp")) or extra.get("replicas", 1) != 1 \
+            or extra.get("wrap", "blocks") != "blocks":
+        return [f"{cfg.strategy} of a mixture of experts composes with --ep here, not yet with --tp, --cp, hybrid "
+                "sharding or wrap 'root'"]
     problems = moe.options_problems(layer.experts, top_k, extra.get("moe_capacity_factor", layer.capacity_factor),
                                     extra.get("moe_aux_loss_coef", layer.aux_loss_coef))
     ep, dp = cfg.degrees.get("ep", 1), cfg.degrees["dp"]
@@ -88,21 +93,16 @@ def defaults(cfg) -> dict:
     return {} if moe_config(cfg.model) else {"model": "gpt-moe-tiny"}
 
 
-def expert_groups(dp_group, ep: int):
-    """(this rank's ep group, its expert-copies group): the dp ranks in consecutive runs of ep
-    (inside a node on a GPU server: the all-to-all is the heaviest traffic), and the ranks at the
-    same place in every run (they hold the same experts). new_group is collective: every rank
-    makes every group, in the same order."""
-    ranks = dist.get_process_group_ranks(dp_group)
-    me = dist.get_rank()
-    mine = {}
-    runs = [ranks[i:i + ep] for i in range(0, len(ranks), ep)]
-    for name, lines in (("ep", runs), ("copies", [ranks[j::ep] for j in range(ep)])):
-        for line in lines:
-            group = dist.new_group(line)
-            if me in line:
-                mine[name] = group
-    return mine["ep"], mine["copies"]
+def expert_mesh(grid, ep: int):
+    """The data-parallel ranks as a (copies, ep) device mesh: each row a run of ep consecutive
+    ranks (inside a node on a GPU server: the all-to-all is the heaviest traffic) that share out
+    the experts; each column the ranks at the same place in every run, which hold the same experts
+    (FSDP shards them over it). The ranks of a mixture of experts are data-parallel ranks only
+    (expert_problems), so the dp ranks are the world."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = grid.size("dp")
+    return init_device_mesh(grid.device_type, (dp // ep, ep), mesh_dim_names=("copies", "ep"))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -153,21 +153,23 @@ class ExpertDispatch:
         return _AllToAll.apply(back, sent, received, self.group)  # 5. combine: home again
 
 
-def parallelize(model, dp_group, ep: int) -> tuple[list, list]:
-    """Cut every MoE layer's experts over this rank's ep group, in place, and hook its
-    dispatch and counts; return (dense parameters, expert parameters) and groups."""
-    group, copies = expert_groups(dp_group, ep)
-    me = dist.get_rank(group)
+def parallelize(model, grid, ep: int):
+    """Cut every MoE layer's experts over this rank's ep group, in place, and hook its dispatch
+    and its counts (summed over the dp ranks); return the (copies, ep) mesh (None for ep 1: every
+    rank holds every expert, plain data parallel)."""
+    mesh = expert_mesh(grid, ep) if ep > 1 else None
     for layer in moe.layers(model):
-        experts = layer.experts
-        held = layer.experts_total // ep
+        layer.reduce_counts = _summed(grid.group("dp"))
+        if mesh is None:
+            continue
+        group, experts = mesh.get_group("ep"), layer.experts
+        me, held = dist.get_rank(group), layer.experts_total // ep
         with torch.no_grad():
             for name, p in list(experts.named_parameters()):
                 setattr(experts, name, torch.nn.Parameter(p[me * held:(me + 1) * held].clone()))
         experts.first = me * held
-        layer.dispatch = ExpertDispatch(experts, group) if ep > 1 else None  # ep 1: plain data parallel
-        layer.reduce_counts = _summed(dp_group)
-    return group, copies
+        layer.dispatch = ExpertDispatch(experts, group)
+    return mesh
 
 
 def _summed(group):
@@ -178,25 +180,49 @@ def _summed(group):
     return reduce
 
 
-def gather_experts(model, group) -> dict:
-    """The whole model's state, every layer's experts gathered from the ep group (rank order)."""
-    state = dict(model.state_dict())
+def gather_experts(model, state: dict) -> dict:
+    """`state` (the model's, each rank's experts whole) with every layer's experts gathered from
+    its ep group, in rank order: the whole model's."""
+    layers = moe.layers(model)
+    if not layers or layers[0].dispatch is None:
+        return state
+    state, group = dict(state), layers[0].dispatch.group
     ep = dist.get_world_size(group)
     for prefix, layer in ((n, m) for n, m in model.named_modules() if isinstance(m, moe.MoE)):
         prefix = prefix.replace("_checkpoint_wrapped_module.", "")  # state_dict's names leave the wrapper out
         for name, p in layer.experts.named_parameters():
-            parts = [torch.empty_like(p) for _ in range(ep)]
-            dist.all_gather(parts, p.detach().contiguous(), group=group)
             key = f"{prefix}.experts.{name}"
             if key not in state:
-                raise RuntimeError(f"ep-scratch: gathered experts {key!r}, which the model's state_dict does not name")
+                raise RuntimeError(f"expert parallelism: experts {key!r}, which the model's state_dict does not name")
+            mine = state[key].to(p.device)  # this rank's slice (under FSDP, gathered whole over its copies)
+            parts = [torch.empty_like(mine) for _ in range(ep)]
+            dist.all_gather(parts, mine.contiguous(), group=group)
             state[key] = torch.cat(parts)
     return state
 
 
+def shard_experts(model, cfg, grid, **fsdp) -> None:
+    """fsdp --ep: each layer's slice of the experts its own FSDP unit over the ranks holding the same
+    slice (before the blocks are wrapped, which then leave it out), its gradients summed over them and
+    divided by dp (the dp/ep copies would average them: see the module's docstring); `fsdp`:
+    fully_shard's keyword arguments."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = parallelize(model, grid, cfg.degrees.get("ep", 1))
+    if mesh is None:
+        return
+    for layer in moe.layers(model):
+        fully_shard(layer.experts, mesh=mesh["copies"], **fsdp)
+        layer.experts.set_gradient_divide_factor(float(grid.size("dp")))
+        # a sum, then the division: gloo has no PREMUL_SUM. Not on a mesh of one rank, which sends nothing: there
+        # torch 2.13's FSDP divides by the factor twice when the sum is forced (found by the parity test)
+        layer.experts.set_force_sum_reduction_for_comms(mesh["copies"].size() > 1)
+
+
 def prepare(model, cfg, rt) -> Parallelized:
     dp_group, ep = rt.grid.group("dp"), cfg.degrees.get("ep", 1)
-    group, copies = parallelize(model, dp_group, ep)
+    mesh = parallelize(model, rt.grid, ep)
+    copies = mesh.get_group("copies") if mesh is not None else dp_group
     expert_params = {id(p) for layer in moe.layers(model) for p in layer.experts.parameters()}
     dense = [p for p in model.parameters() if id(p) not in expert_params]
     experts = [p for p in model.parameters() if id(p) in expert_params]
@@ -225,5 +251,5 @@ def prepare(model, cfg, rt) -> Parallelized:
     held = moe.layers(model)[0].experts.fc_weight.shape[0]
     return Parallelized(module=model, optimizer=optimizer, model=model, no_sync=no_sync, step=step,
                         tracked=[f for b in buckets for f in b.flat],
-                        gather_state_dict=lambda: gather_experts(model, group),
+                        gather_state_dict=lambda: gather_experts(model, model.state_dict()),
                         report=lambda: {"ep": ep, "experts_per_rank": held})

@@ -15,12 +15,14 @@ Option `replicas` (--hsdp-replicas R): hybrid sharding (HSDP), the dp ranks cut 
 groups, each sharding the model, the groups replicas of each other (`compose.hybrid_mesh`).
 
 With `--tp N` it is 2D: tensor parallel inside each group of N consecutive ranks, FSDP
-across the groups (the order in `compose.py`); each parameter is then a 2-D DTensor.
+across the groups (the order in `compose.py`); each parameter is then a 2-D DTensor. With
+`--ep N` (a mixture of experts) each layer's experts are cut over runs of N ranks and each slice
+sharded over the ranks that hold it (`ep_scratch.shard_experts`), the rest over every rank.
 """
 
 from contextlib import contextmanager
 
-from multigpu.strategies import Parallelized, build_optimizer, compose
+from multigpu.strategies import Parallelized, build_optimizer, compose, ep_scratch
 from multigpu.strategies.state import whole_state_dict
 
 
@@ -48,4 +50,5 @@ def prepare(model, cfg, rt) -> Parallelized:
             model.set_requires_gradient_sync(True)
 
     return Parallelized(module=module, optimizer=optimizer, model=model, no_sync=no_sync,
-                        backward=getattr(module, "backward", None), gather_state_dict=lambda: whole_state_dict(model))
+                        backward=getattr(module, "backward", None),
+                        gather_state_dict=lambda: ep_scratch.gather_experts(model, whole_state_dict(model)))
