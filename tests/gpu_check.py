@@ -264,6 +264,7 @@ CASES = [
          common=dict(model="gpt-moe-tiny", extra={"moe_capacity_factor": 1.0})),
     Case("ep-scratch bf16-mixed", "ep-scratch", ((1, {}), (2, {}), (4, {})), BF16_TOLERANCE,
          dict(model="gpt-moe-tiny", dtype="bf16-mixed")),
+    Case("fsdp x ep", "fsdp", ((2, dict(ep=2)), (4, dict(ep=2)), (8, dict(ep=4))), common=dict(model="gpt-moe-tiny")),
 ]
 
 
