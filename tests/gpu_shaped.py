@@ -276,6 +276,7 @@ def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dic
         "state_dict": None,
         "seq_len": seq,
         "parameters": _parameters(cfg.model),
+        "moe": copy.deepcopy(cpu_record.get("moe")),  # a mixture of experts' routing, as the CPU run routed
     }
 
 

@@ -309,9 +309,8 @@ def _activation_costs(*args) -> dict[str, ActivationCost]:
 
     from multigpu import hf, loss, models, moe
 
-    tracing = (models, hf, loss, *((moe,) if model_shape(args[0]).experts else ()))  # moe.py: a MoE's only
-    parts = [repr(args), torch.__version__, transformers.__version__,
-             *(Path(m.__file__).read_text() for m in tracing), Path(__file__).read_text()]
+    parts = [repr(args), torch.__version__, transformers.__version__, Path(__file__).read_text(),  # moe.py: MoEs'
+             *(Path(m.__file__).read_text() for m in (models, hf, loss, *[moe][:bool(model_shape(args[0]).experts)]))]
     if str(args[0]).endswith(".json") and Path(args[0]).is_file():
         parts.append(Path(args[0]).read_text())
     path = Path(folder) / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()}.pickle"
