@@ -15,7 +15,7 @@ from torch import nn
 
 from multigpu.errors import ConfigError
 from multigpu.loss import loss_from_logits  # noqa: F401 - also where callers have found it
-from multigpu.moe import MoE, MoEConfig, aux_loss
+from multigpu.moe import MLP, MoE, MoEConfig, aux_loss  # MLP: a block's, dense (moe.py: it is an expert's too)
 
 
 @dataclass(frozen=True)
@@ -65,16 +65,6 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
-
-    def forward(self, x):
-        return self.proj(F.gelu(self.fc(x)))
-
-
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
@@ -83,7 +73,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg) if cfg.moe is None else MoE(cfg.d_model, cfg.moe)
+        self.mlp = MLP(cfg.d_model, cfg.d_ff) if cfg.moe is None else MoE(cfg.d_model, cfg.moe)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))

@@ -79,13 +79,24 @@ def capacity(capacity_factor: float | None, tokens: int, top_k: int, experts: in
     return None if capacity_factor is None else math.ceil(round(capacity_factor * tokens * top_k / experts, 9))
 
 
+class MLP(nn.Module):
+    """The GELU MLP d -> d_ff -> d: a dense block's (models.Block), and a shared expert's."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_ff)
+        self.proj = nn.Linear(d_ff, d_model)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
 class Experts(nn.Module):
     """E GELU MLPs (the dense MLP's shape), their weights stacked: expert e is fc_weight[e] ...
-    A rank holding a slice of them (expert parallelism) has `first` = its first expert's index."""
+    (an expert-parallel rank holds a slice of the rows)."""
 
     def __init__(self, experts: int, d_model: int, d_ff: int):
         super().__init__()
-        self.first = 0
         self.fc_weight = nn.Parameter(torch.empty(experts, d_model, d_ff).normal_(0.0, 0.02))
         self.fc_bias = nn.Parameter(torch.zeros(experts, d_ff))
         self.proj_weight = nn.Parameter(torch.empty(experts, d_ff, d_model).normal_(0.0, 0.02))
@@ -111,7 +122,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(d_model, cfg.experts, bias=False)
         nn.init.normal_(self.router.weight, 0.0, 0.02)
         self.experts = Experts(cfg.experts, d_model, cfg.d_ff or 4 * d_model)
-        self.shared = nn.ModuleList(_SharedMLP(d_model, cfg.d_ff or 4 * d_model) for _ in range(cfg.shared_experts))
+        self.shared = nn.ModuleList(MLP(d_model, cfg.d_ff or 4 * d_model) for _ in range(cfg.shared_experts))
         self.dispatch = None  # None: the experts run here; else dispatch(tokens, counts per expert) -> outputs
         self.reduce_counts = None  # None: this device's batch is the whole batch; else sums counts over ranks
         self.aux_loss = None
@@ -180,18 +191,6 @@ class MoE(nn.Module):
         return (place < limit).view(B, k, T).transpose(1, 2)
 
 
-class _SharedMLP(nn.Module):
-    def __init__(self, d_model: int, d_ff: int):
-        super().__init__()
-        self.fc, self.proj = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
-        for linear in (self.fc, self.proj):
-            nn.init.normal_(linear.weight, 0.0, 0.02)
-            nn.init.zeros_(linear.bias)
-
-    def forward(self, x):
-        return self.proj(F.gelu(self.fc(x)))
-
-
 _EVEN_ROUTING = False
 
 
@@ -217,15 +216,38 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
     return sum(layer.aux_loss for layer in layers(model))
 
 
-OPTIONS = ("moe_top_k", "moe_capacity_factor", "moe_aux_loss_coef")  # RunConfig.extra keys
+OPTIONS = {"moe_top_k": "top_k", "moe_capacity_factor": "capacity_factor",  # RunConfig.extra key -> MoE's
+           "moe_aux_loss_coef": "aux_loss_coef"}  # attribute (and, dashed, the run command's flag)
 
 
 def configure(model: nn.Module, extra: dict) -> None:
     """A run's routing options (RunConfig.extra), over the model's own: they change no shape."""
     for layer in layers(model):
-        layer.top_k = extra.get("moe_top_k", layer.top_k)
-        layer.capacity_factor = extra.get("moe_capacity_factor", layer.capacity_factor)
-        layer.aux_loss_coef = extra.get("moe_aux_loss_coef", layer.aux_loss_coef)
+        for key, name in OPTIONS.items():
+            setattr(layer, name, extra.get(key, getattr(layer, name)))
+
+
+# -- reading a report (a record's "moe"): what the chapter and its figures show -----------------
+
+def busiest_by_step(report: dict) -> list[float]:
+    """At each forward, the busiest expert's tokens over an even share, the mean over the layers
+    (1: balanced; at most E/k)."""
+    layers = report["tokens_per_expert"]
+    return [sum(max(layer[s]) * len(layer[s]) / sum(layer[s]) for layer in layers) / len(layers)
+            for s in range(len(layers[0]))]
+
+
+def expert_shares(report: dict, layer: int, last: int) -> list[float]:
+    """Each expert of `layer`: its tokens over an even share, over the last `last` forwards."""
+    loads = report["tokens_per_expert"][layer][-last:]
+    total, experts = sum(map(sum, loads)), len(loads[0])
+    return [sum(step[e] for step in loads) * experts / total for e in range(experts)]
+
+
+def dropped_by_step(report: dict) -> list[float]:
+    """At each forward, the share of all layers' (token, choice) assignments dropped."""
+    dropped, routed = report["dropped"], report["tokens_per_expert"]
+    return [sum(layer[s] for layer in dropped) / sum(sum(layer[s]) for layer in routed) for s in range(len(dropped[0]))]
 
 
 def report(model: nn.Module) -> dict | None:

@@ -65,7 +65,7 @@ def layer_checks(seed: int = 0) -> dict[str, float]:
             "row.weight_grad": _diff(row.weight.grad, _mine(lin.weight.grad, 1)),
             "row.bias_grad": _diff(row.bias.grad, lin.bias.grad)}
 
-    mlp = MLP(GPT_SIZES["gpt-tiny"])
+    mlp = MLP(GPT_SIZES["gpt-tiny"].d_model, GPT_SIZES["gpt-tiny"].d_ff)
     x = torch.randn(2, 8, 64, requires_grad=True)
     ref = mlp(x)
     dy = torch.randn_like(ref)

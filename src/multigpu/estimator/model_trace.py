@@ -139,12 +139,11 @@ def model_shape(model: str) -> ModelShape:
     vocab = built.cfg.vocab_size if family == "gpt" else built.config.vocab_size
     moe = moe_layers(built)
     routed = {id(p) for layer in moe for p in layer.experts.parameters()}
-    largest_of = lambda ps: max((p.numel() for p in ps), default=0)  # noqa: E731
     return ModelShape(model, total, largest, outside, blocks=len(blocks),
                       largest_tensor=max(p.numel() for p in params), vocab_size=vocab, family=family,
                       tensors=len(params), expert_parameters=sum(p.numel() for p in params if id(p) in routed),
-                      largest_expert_tensor=largest_of(p for p in params if id(p) in routed),
-                      largest_dense_tensor=largest_of(p for p in params if id(p) not in routed),
+                      largest_expert_tensor=max((p.numel() for p in params if id(p) in routed), default=0),
+                      largest_dense_tensor=max(p.numel() for p in params if id(p) not in routed),
                       experts=moe[0].experts_total if moe else 0, top_k=moe[0].top_k if moe else 0)
 
 
@@ -297,7 +296,7 @@ def _activation_costs(*args) -> dict[str, ActivationCost]:
     on disk for the processes that follow (the test suite executes a chapter once per fake GPU
     server, each in a new kernel: a trace takes a second or two). The key holds the arguments, a
     config file's text, the versions of torch and transformers and the source of the code that
-    builds and traces the models, so a changed model or tracer is traced again."""
+    builds and traces the models (moe.py: a mixture of experts'), so a changed one is traced again."""
     import hashlib
     import os
     import pickle
@@ -309,8 +308,9 @@ def _activation_costs(*args) -> dict[str, ActivationCost]:
 
     from multigpu import hf, loss, models, moe
 
-    parts = [repr(args), torch.__version__, transformers.__version__, Path(__file__).read_text(),  # moe.py: MoEs'
-             *(Path(m.__file__).read_text() for m in (models, hf, loss, *[moe][:bool(model_shape(args[0]).experts)]))]
+    sources = (models, hf, loss, moe) if model_shape(args[0]).experts else (models, hf, loss)
+    parts = [repr(args), torch.__version__, transformers.__version__, Path(__file__).read_text(),
+             *(Path(m.__file__).read_text() for m in sources)]
     if str(args[0]).endswith(".json") and Path(args[0]).is_file():
         parts.append(Path(args[0]).read_text())
     path = Path(folder) / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()}.pickle"

@@ -177,7 +177,7 @@ def _check_cut(setup: Setup, grid: Grid) -> None:
                           "tp > 1, and the pipelines do not run it inside their stages")
     from multigpu.models import family, tensor_parallel_problems
 
-    experts = 0 if setup.model.startswith("params:") else model_shape(setup.model).experts
+    experts = model_shape(setup.model).experts
     takes_experts = "ep" in STRATEGY_TABLE[s].combines
     if (STRATEGY_TABLE[s].spans_experts or grid.ep > 1) and not experts:
         raise ConfigError(f"{s} cuts a mixture of experts' experts; {setup.model} has none: use a gpt-moe-* preset")

@@ -7,16 +7,12 @@ from multigpu.plots.style import BLUE, GREEN, ORANGE, RED, _figure
 MOE_COLORS = [BLUE, ORANGE, GREEN, RED]
 
 
-def busiest_expert(records, label_of, title="The busiest expert's load, step by step"):
-    """One line per record (a moe_balance run): at each step, the busiest expert's tokens over an
-    even share (1: balanced; E: everything on one expert), the mean over the layers."""
+def busiest_expert(series: dict[str, list[float]], records, title="The busiest expert's load, step by step"):
+    """One line per run (`series`: label -> moe.busiest_by_step of its record): at each step, the busiest
+    expert's tokens over an even share (1: balanced), the mean over the layers."""
     fig, (ax,) = _figure(records)
-    for i, r in enumerate(records):
-        layers = r["moe"]["tokens_per_expert"]  # [layer][step][expert]
-        experts = len(layers[0][0])
-        steps = len(layers[0])
-        ratio = [sum(max(layer[s]) * experts / sum(layer[s]) for layer in layers) / len(layers) for s in range(steps)]
-        ax.plot(range(steps), ratio, color=MOE_COLORS[i % 4], label=label_of(r))
+    for i, (label, ratio) in enumerate(series.items()):
+        ax.plot(range(len(ratio)), ratio, color=MOE_COLORS[i % 4], label=label)
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("step")
     ax.set_ylabel("busiest expert / even share (mean over layers)")

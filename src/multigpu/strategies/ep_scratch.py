@@ -41,8 +41,6 @@ from multigpu import moe
 from multigpu.strategies import Parallelized, build_optimizer
 from multigpu.strategies.ddp_scratch import GradBuckets
 
-ROUTING = {"moe_top_k": "top_k", "moe_capacity_factor": "capacity_factor", "moe_aux_loss_coef": "aux_loss_coef"}
-
 
 def moe_config(model: str):
     """The MoEConfig of a preset (None: a dense model)."""
@@ -56,7 +54,7 @@ def expert_problems(cfg) -> list[str]:
     from multigpu.strategy_table import STRATEGY_TABLE
 
     layer, extra = moe_config(cfg.model), cfg.extra or {}
-    asked = [f"--{ROUTING[k].replace('_', '-')}" for k in ROUTING if k in extra]
+    asked = [f"--{name.replace('_', '-')}" for key, name in moe.OPTIONS.items() if key in extra]
     verb = "routes" if len(asked) == 1 else "route"
     takes = [name for name, s in STRATEGY_TABLE.items() if "ep" in s.combines]
     if layer is None:
@@ -167,7 +165,6 @@ def parallelize(model, grid, ep: int):
         with torch.no_grad():
             for name, p in list(experts.named_parameters()):
                 setattr(experts, name, torch.nn.Parameter(p[me * held:(me + 1) * held].clone()))
-        experts.first = me * held
         layer.dispatch = ExpertDispatch(experts, group)
     return mesh
 
