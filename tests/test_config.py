@@ -98,7 +98,8 @@ def test_fault_on_a_rank_that_does_not_exist():
 
 
 def test_good_fault_string_is_parsed():
-    assert config.parse_fault("kill@1:2") == ("kill", 1, 2)
+    assert config.parse_fault("kill@1:2") == ("kill", 1, 2, None)
+    assert config.parse_fault("kill@0:4:written") == ("kill", 0, 4, "written")
     RunConfig(strategy="ddp", world_size=2, fault="raise@0:0").validate()
 
 

@@ -70,7 +70,12 @@ class RunConfig:
     bucket_cap_mb: float = 25.0  # gradient buckets: DDP, ddp-scratch, zero2, DeepSpeed
     threads_per_worker: int | None = None  # None: the machine's cores split evenly
     track_memory: bool = True  # per-category peak memory from MemTracker (steps 0-1)
-    fault: str | None = None  # testing only: "raise@RANK:STEP" or "kill@RANK:STEP"
+    fault: str | None = None  # testing only: "raise@RANK:STEP", "kill@RANK:STEP" or "kill@RANK:STEP:SAVE_STAGE"
+    checkpoint_dir: str | None = None  # save the run's state into DIR/step-N (checkpoint.py)
+    checkpoint_every: int | None = None  # ... every this many steps (and after the last); None: the last only
+    checkpoint_keep: int | None = 2  # the newest complete checkpoints kept; None: all
+    checkpoint_async: bool = False  # write in the background while training goes on (DCP's async_save)
+    resume: str | None = None  # continue from this checkpoint (a step-N folder, or a checkpoint_dir's newest)
     extra: dict = field(default_factory=dict)  # strategy-specific options
 
     # -- derived sizes -------------------------------------------------------------
@@ -211,8 +216,9 @@ class RunConfig:
         problems = getattr(strategy_module, "config_problems", lambda cfg: [])(self)
         if problems:  # what only the strategy itself knows it cannot do
             raise ConfigError(f"strategy {self.strategy!r}: " + "; ".join(problems))
+        _check_checkpointing(self)
         if self.fault is not None:
-            _, fault_rank, _ = parse_fault(self.fault)
+            _, fault_rank, _, _ = parse_fault(self.fault)
             if fault_rank >= self.processes:
                 raise ConfigError(f"fault={self.fault!r} names rank {fault_rank}, but this run has "
                                   f"{self.processes} process(es) (ranks 0 to {self.processes - 1})")
@@ -257,18 +263,61 @@ def with_strategy_defaults(cfg: RunConfig, chosen: set[str] | frozenset = frozen
     return cfg.replace(**changes), notes
 
 
-def parse_fault(fault: str) -> tuple[str, int, int]:
-    """'raise@1:2' -> ('raise', rank 1, step 2). Used by tests of failure handling."""
+def parse_fault(fault: str) -> tuple[str, int, int, str | None]:
+    """'raise@1:2' -> ('raise', rank 1, step 2, None): fail before step 2. 'kill@1:4:written' -> ('kill', 1, 4,
+    'written'): kill rank 1 in the save of the checkpoint after 4 steps, at that stage of it
+    (checkpoint.SAVE_STAGES). Used by tests of failure handling; a restarted worker does not fail again."""
+    from multigpu.checkpoint import SAVE_STAGES
+
     try:
         kind, where = fault.split("@")
-        rank, step = (int(x) for x in where.split(":"))
-        if kind not in ("raise", "kill"):
+        rank, step, *stage = where.split(":")
+        rank, step, stage = int(rank), int(step), stage[0] if stage else None
+        if kind not in ("raise", "kill") or len(where.split(":")) > 3 or stage not in (None, *SAVE_STAGES):
             raise ValueError
     except ValueError:
         raise ConfigError(
-            f"fault must look like 'raise@RANK:STEP' or 'kill@RANK:STEP', got {fault!r}"
+            f"fault must look like 'raise@RANK:STEP', 'kill@RANK:STEP' or 'kill@RANK:STEP:STAGE' (STAGE one of "
+            f"{', '.join(SAVE_STAGES)}), got {fault!r}"
         ) from None
-    return kind, rank, step
+    return kind, rank, step, stage
+
+
+MAX_STEPS = 10**9  # steps, samples and checkpoint intervals are counted in 64-bit integers, far from this
+
+
+def _check_checkpointing(cfg: RunConfig) -> None:
+    """The checkpoint options: whole numbers in range, a folder that is not another run's."""
+    for name, low in (("checkpoint_every", 1), ("checkpoint_keep", 1)):
+        value = getattr(cfg, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not low <= value <= MAX_STEPS):
+            raise ConfigError(f"{name} must be a whole number from {low} to {MAX_STEPS}, or None, got {value!r}")
+    if cfg.steps > MAX_STEPS:
+        raise ConfigError(f"steps must be at most {MAX_STEPS}, got {cfg.steps}")
+    if cfg.resume is not None:  # before any process starts: the checkpoint is there, whole, and fits this run
+        from multigpu.checkpoint import compatibility_problems, read_meta, resolve
+
+        path = resolve(cfg.resume)
+        problems = compatibility_problems(read_meta(path), cfg)
+        if problems:
+            raise ConfigError(f"cannot continue from {path}: " + "; ".join(problems))
+    if cfg.checkpoint_dir is None:
+        for name in ("checkpoint_every", "checkpoint_async"):
+            if getattr(cfg, name):
+                raise ConfigError(f"{name} needs a checkpoint_dir (--checkpoint-dir DIR) to save into")
+        return
+    from multigpu.checkpoint import complete
+
+    there = complete(cfg.checkpoint_dir)
+    resuming_here = cfg.resume is not None and os.path.abspath(cfg.resume) in (
+        os.path.abspath(cfg.checkpoint_dir), *(os.path.abspath(p) for p in there))
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"  # torchrun restarted the workers
+    if there and not resuming_here and not restarted:
+        raise ConfigError(f"checkpoint_dir {cfg.checkpoint_dir} already holds checkpoints ({there[-1].name} the "
+                          f"newest): continue that run with --resume {cfg.checkpoint_dir}, or choose an empty folder")
+    if os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
+        raise ConfigError(f"checkpoint_dir {cfg.checkpoint_dir} is a file, not a folder")
 
 
 # -- amounts of memory, as the command line writes them ------------------------------------

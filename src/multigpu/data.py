@@ -72,17 +72,32 @@ def make_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, s
     return loader, sampler
 
 
-def batches(loader, sampler, steps_per_epoch: int, num_batches: int):
-    """Yield `num_batches` batches, calling `sampler.set_epoch` at every epoch start so
-    that each epoch is shuffled differently (forgetting it repeats epoch 0's order)."""
-    epoch = 0
+def batches(loader, sampler, steps_per_epoch: int, num_batches: int, start: int = 0):
+    """Yield batches `start` to `num_batches - 1`, calling `sampler.set_epoch` at every epoch start so
+    that each epoch is shuffled differently (forgetting it repeats epoch 0's order). A resumed run
+    starts where the checkpoint left off: the order is a function of the seed and the epoch, so the
+    batches done are skipped by position (the sampler's indices, without loading the samples)."""
+    epoch, skip = divmod(start, steps_per_epoch)
+    num_batches -= start
+    if num_batches <= 0:
+        return
     while True:
         sampler.set_epoch(epoch)
-        for i, batch in enumerate(loader):
-            if i == steps_per_epoch:
+        loader_iter, left = (iter(loader) if not skip else _from(loader, skip)), steps_per_epoch - skip
+        skip = 0
+        for i, batch in enumerate(loader_iter):
+            if i == left:
                 break
             yield batch
             num_batches -= 1
             if num_batches == 0:
                 return
         epoch += 1
+
+
+def _from(loader, skip: int):
+    """The loader's batches from the `skip`-th on, this epoch: its sampler's order without the first
+    skip x batch_size indices (the samples themselves are never loaded)."""
+    indices = list(iter(loader.sampler))[skip * loader.batch_size:]
+    for i in range(0, len(indices) - loader.batch_size + 1, loader.batch_size):
+        yield loader.collate_fn([loader.dataset[j] for j in indices[i:i + loader.batch_size]])

@@ -31,12 +31,14 @@ class Instruments:
     """`with instruments.step(step) as before_forward:` around one optimizer step; `results()`
     at the end: this rank's times, memory and traffic, for its record."""
 
-    def __init__(self, cfg, rt, par, machine: ProcessPeaks):
+    def __init__(self, cfg, rt, par, machine: ProcessPeaks, first_step: int = 0):
+        """first_step: the steps a resumed run had done; `step(i)` counts this process's steps from 0."""
         self.cfg, self.rt, self.par, self.machine = cfg, rt, par, machine
+        steps = cfg.steps - first_step
         # dp's replicas are threads, which the (per-thread) tracker would not see: dp counts its own
         self.track_memory = cfg.track_memory and not par.counts_own_memory
-        self.last_tracked_step = min(1, cfg.steps - 1) if self.track_memory else -1
-        self.comm_step = min(2, cfg.steps - 1)  # DDP re-plans its buckets on step 1 (a one-off broadcast)
+        self.last_tracked_step = min(1, steps - 1) if self.track_memory else -1
+        self.comm_step = min(2, steps - 1)  # DDP re-plans its buckets on step 1 (a one-off broadcast)
         # all ranks on this machine talking over gloo: their traffic is the loopback's traffic
         self.measure_wire = rt.backend == "gloo" and rt.world_size > 1 and loopback_tx_bytes() is not None
         self.memory_tracker, self.comm, self.loopback_bytes = None, None, None

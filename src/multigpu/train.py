@@ -14,7 +14,7 @@ import signal
 
 import torch
 
-from multigpu import moe, strategies
+from multigpu import checkpoint, moe, strategies
 from multigpu.config import RunConfig, parse_fault
 from multigpu.data import TokenDataset, batches, make_loader
 from multigpu.hf import set_attention
@@ -24,15 +24,30 @@ from multigpu.models import build_model, default_seq_len, vocab_size
 from multigpu.runtime import RankGrid
 
 
-def _maybe_fail(cfg: RunConfig, rank: int, step: int) -> None:
-    """Testing hook: make one rank fail at one step, to prove failures never hang."""
-    if cfg.fault is None:
+def _maybe_fail(cfg: RunConfig, rank: int, step: int, stage: str | None = None) -> None:
+    """Testing hook: make one rank fail at one step (or at one stage of a save), to prove failures never
+    hang and that a checkpoint survives them. Once: a worker torchrun restarted does not fail again."""
+    if cfg.fault is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    kind, fault_rank, fault_step = parse_fault(cfg.fault)
-    if (rank, step) == (fault_rank, fault_step):
+    kind, fault_rank, fault_step, fault_stage = parse_fault(cfg.fault)
+    if (rank, step, stage) == (fault_rank, fault_step, fault_stage):
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected fault on rank {rank} at step {step} (fault={cfg.fault!r})")
+        where = f"at step {step}" if stage is None else f"in the save after step {step}, at stage {stage!r}"
+        raise RuntimeError(f"injected fault on rank {rank} {where} (fault={cfg.fault!r})")
+
+
+def resume_from(cfg: RunConfig) -> str | None:
+    """The checkpoint a run continues from: the one asked for, or, in a worker torchrun restarted after a
+    failure, the newest its own checkpoint_dir holds (none: it starts again from step 0)."""
+    from multigpu import checkpoint
+
+    if cfg.resume is not None:
+        return cfg.resume
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if restarted and cfg.checkpoint_dir and checkpoint.complete(cfg.checkpoint_dir):
+        return cfg.checkpoint_dir
+    return None
 
 
 def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
@@ -60,6 +75,13 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
     # a process driving several GPUs (dp) reads every one's peak: each step resets them all
     machine.reset_also(getattr(par.module, "peak_devices", ()))
 
+    steps_done, losses, resumed = 0, [], None
+    if path := resume_from(cfg):  # the weights, the optimizer's state, the generators; where the data stand
+        resumed = checkpoint.load(path, par, cfg, rt)
+        steps_done, losses = resumed["steps_done"], resumed["losses"]
+    saver = checkpoint.Checkpointer(cfg, rt, par, lambda stage, s: _maybe_fail(cfg, rt.rank, s, stage)) \
+        if cfg.checkpoint_dir else None
+
     seq_len = cfg.seq_len or default_seq_len(cfg.model)
     dataset = TokenDataset(cfg.model, cfg.dataset, cfg.num_samples, seq_len, vocab_size(cfg.model), cfg.seed)
     # data are split by data-parallel rank: the ranks of one tensor-parallel group (and of
@@ -69,16 +91,16 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
     process_batch = cfg.global_batch_size // (dp_size * cfg.grad_accum_steps)
     loader, sampler = make_loader(dataset, process_batch, dp_rank, dp_size, cfg.seed)
     micro_steps_per_epoch = (cfg.num_samples // cfg.global_batch_size) * cfg.grad_accum_steps
-    data = batches(loader, sampler, micro_steps_per_epoch, cfg.steps * cfg.grad_accum_steps)
+    data = batches(loader, sampler, micro_steps_per_epoch, cfg.steps * cfg.grad_accum_steps,
+                   start=steps_done * cfg.grad_accum_steps)
     # mixed precision: forward under autocast to this dtype, weights and optimizer in fp32
     # (fp16-mixed also scales the loss: par.scaler, set by strategies.prepare)
     autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(cfg.dtype)
 
-    instruments = Instruments(cfg, rt, par, machine)
-    losses = []
-    for step in range(cfg.steps):
+    instruments = Instruments(cfg, rt, par, machine, first_step=steps_done)
+    for step in range(steps_done, cfg.steps):
         _maybe_fail(cfg, rt.rank, step)
-        with instruments.step(step) as before_forward:
+        with instruments.step(step - steps_done) as before_forward:
             micro_batches = [{k: v.to(rt.device, non_blocking=True) for k, v in next(data).items()}
                              for _ in range(cfg.grad_accum_steps)]
             step_loss = par.run_step(micro_batches, autocast_dtype, before_forward)
@@ -89,6 +111,10 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
                     f"rate too high (lr={cfg.lr:g}: try 10x smaller), or half precision without loss scaling")
         losses.append(step_loss)
         instruments.progress(step, step_loss)
+        if saver and saver.due(step + 1):
+            saver.save(step + 1, losses)
+    if saver:
+        saver.finish()  # an asynchronous save still in flight
 
     return {
         "rank": rt.rank,
@@ -101,4 +127,5 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
         "seq_len": seq_len,
         "parameters": parameters,
         "moe": moe.report(par.model),  # a mixture of experts' routing: tokens per expert, dropped
+        "checkpoint": {"saves": saver.saves if saver else [], "resumed": resumed},
     }

@@ -70,6 +70,11 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         # a mixture of experts: per layer and forward, tokens each expert was routed and tokens dropped (the whole
         # batch's: expert-parallel ranks add theirs up; one rank's otherwise)
         **({"moe": results[0]["moe"]} if results[0].get("moe") else {}),
+        # checkpoints: what each save cost (time blocking the training, in all, bytes by rank), and where the run
+        # resumed from (its record's losses then begin with the checkpoint's)
+        **({"checkpoint": {"saves": [r["checkpoint"]["saves"] for r in results],
+                           "resumed": results[0]["checkpoint"]["resumed"]}}
+           if results[0]["checkpoint"]["saves"] or results[0]["checkpoint"]["resumed"] else {}),
         # a strategy whose ranks each report something of their own (a pipeline stage's events)
         "strategy_report_by_rank": [r["strategy_report"] for r in results]
         if len(results) > 1 and any(r["strategy_report"] for r in results[1:]) else None,

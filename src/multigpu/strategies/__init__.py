@@ -77,6 +77,10 @@ class Parallelized:
     # a context around one micro-batch's forward and backward, given the batch (PyTorch's
     # context_parallel, which cuts the batch's tensors in place and swaps attention inside it)
     around_micro_batch: Callable[[dict], object] | None = None
+    # how its checkpoints name the state (checkpoint.py): "canonical" (the single-device names, whole or as
+    # DTensor shards: loadable under any layout), "local" (its own pieces under each rank's keys: the same
+    # layout only) or "deepspeed" (the engine saves itself)
+    checkpoint_names: str = "canonical"
 
     def __post_init__(self):
         self.zero_grad = self.zero_grad or (lambda: self.optimizer.zero_grad(set_to_none=True))

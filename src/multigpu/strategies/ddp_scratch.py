@@ -129,7 +129,9 @@ def prepare(model, cfg, rt) -> Parallelized:
         if sp:
             tp_step = partial(tp_scratch.sync_sequence_parallel_grads, model, tp_group)
     # no wrapper: forward is the plain model's (or tp_scratch's, with --tp)
-    return replicated(model, module, cfg, rt.grid.group("dp"), before_step=tp_step, gather_state_dict=gather)
+    # tp-scratch's slices are plain tensors: each rank's checkpoint holds its own under its keys
+    return replicated(model, module, cfg, rt.grid.group("dp"), before_step=tp_step, gather_state_dict=gather,
+                      checkpoint_names="local" if gather else "canonical")
 
 
 def replicated(model, module, cfg, group, before_step=lambda: None, **calls) -> Parallelized:

@@ -93,4 +93,5 @@ def prepare(model, cfg, rt) -> Parallelized:
 
     # the torch optimizer inside DeepSpeed's: it holds the fp32 shards and their state
     return Parallelized(module=engine, optimizer=optimizer.optimizer, model=model, backward=backward,
-                        step=lambda: None, zero_grad=lambda: None, gather_state_dict=gather_state_dict)
+                        step=lambda: None, zero_grad=lambda: None, gather_state_dict=gather_state_dict,
+                        checkpoint_names="deepspeed")

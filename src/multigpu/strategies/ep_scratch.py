@@ -249,4 +249,5 @@ def prepare(model, cfg, rt) -> Parallelized:
     return Parallelized(module=model, optimizer=optimizer, model=model, no_sync=no_sync, step=step,
                         tracked=[f for b in buckets for f in b.flat],
                         gather_state_dict=lambda: gather_experts(model, model.state_dict()),
-                        report=lambda: {"ep": ep, "experts_per_rank": held})
+                        report=lambda: {"ep": ep, "experts_per_rank": held},
+                        checkpoint_names="local" if ep > 1 else "canonical")  # rows of experts: each rank's

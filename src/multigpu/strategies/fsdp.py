@@ -51,4 +51,6 @@ def prepare(model, cfg, rt) -> Parallelized:
 
     return Parallelized(module=module, optimizer=optimizer, model=model, no_sync=no_sync,
                         backward=getattr(module, "backward", None),
-                        gather_state_dict=lambda: ep_scratch.gather_experts(model, whole_state_dict(model)))
+                        gather_state_dict=lambda: ep_scratch.gather_experts(model, whole_state_dict(model)),
+                        # with --ep, a DTensor of an ep rank's experts is that rank's rows only: saved as its own
+                        checkpoint_names="local" if cfg.grid.ep > 1 else "canonical")

@@ -250,4 +250,5 @@ def prepare(model, cfg, rt) -> Parallelized:
         optimizer.step()
 
     return Parallelized(module=module, optimizer=optimizer, model=model, step=step,
-                        gather_state_dict=partial(sliced_state_dict, model, group))
+                        gather_state_dict=partial(sliced_state_dict, model, group),
+                        checkpoint_names="local")  # slices as plain tensors: each rank's under its keys

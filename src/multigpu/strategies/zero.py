@@ -280,5 +280,5 @@ def prepare(model, cfg, rt) -> Parallelized:
         zero.step()
 
     return Parallelized(module=model, optimizer=zero.optimizer, model=model, zero_grad=zero.zero_grad, step=step,
-                        gather_state_dict=zero.gather_state_dict,
+                        gather_state_dict=zero.gather_state_dict, checkpoint_names="local",  # flat shards
                         tracked=[nn.ParameterList([g.shard for g in zero.groups])])  # shards and their .grad

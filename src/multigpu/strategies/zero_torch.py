@@ -13,4 +13,6 @@ def prepare(model, cfg, rt) -> Parallelized:
     ddp_model = ddp.wrap(model, cfg, rt)
     cls, kwargs = optimizer_spec(cfg)
     optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=cls, **kwargs)
-    return Parallelized(module=ddp_model, optimizer=optimizer, model=model, no_sync=ddp_model.no_sync)
+    # each rank's optimizer holds the state of its own whole tensors: saved under the rank's keys
+    return Parallelized(module=ddp_model, optimizer=optimizer, model=model, no_sync=ddp_model.no_sync,
+                        checkpoint_names="local")

@@ -1,0 +1,450 @@
+"""Checkpoints: what a run has learned, saved every N steps, and a run resumed from it exactly.
+
+A checkpoint is a folder `DIR/step-00000010` holding everything the next step depends on:
+
+- the weights and the optimizer's state (momentum, Adam's two moments and its step count),
+  each rank writing the part it holds (PyTorch's distributed checkpoint, DCP: one file per
+  rank and a `.metadata` index of which rank wrote which piece of which tensor);
+- the data position (steps done: the sampler's order is a function of the seed, the epoch
+  and the global batch, so the steps done say where the data stand), every rank's random
+  number generators, fp16's loss scale, and the losses so far;
+- `meta.json`: the run's config and grid, how the tensors are named, and every rank's file
+  with its size, written last.
+
+How a strategy's state is named decides where it can be loaded again:
+
+- "canonical": every tensor under the single-device model's name (`blocks.0.mlp.fc.weight`),
+  whole or as DTensor shards that say where in the whole tensor they lie. DCP then loads it
+  under any other layout of the same model (FSDP on 4 ranks into TP x DP, a pipeline, one
+  device): each rank reads the pieces it needs. Replicated tensors (DDP's) are written once.
+- "local": a strategy that cuts tensors its own way into plain tensors (the from-scratch
+  ZeRO's flat shards, tp-scratch's slices, ep-scratch's rows of experts) saves each rank's
+  pieces under the rank's own keys: exact resume on the same layout, nothing else.
+- "deepspeed": DeepSpeed's engine saves itself (`engine.save_checkpoint`), beside our state.
+
+A save writes into `step-N.partial` and renames it to `step-N` only when every rank's file
+and `meta.json` are there: a run killed during a save leaves the previous checkpoint whole,
+and a folder without `meta.json`, or whose files are missing or short, is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from multigpu.errors import ConfigError
+
+FORMAT = 1
+META = "meta.json"
+_STEP = re.compile(r"step-(\d{8})")
+# where a save can be cut short: before anything is written; after the ranks' files (no meta.json);
+# after meta.json (not yet renamed); after the rename (complete). Tests kill a rank at each.
+SAVE_STAGES = ("start", "written", "described", "renamed")
+# what must match between the run that saved and the run that loads: the same model, trained on the same
+# data in the same order, by the same optimizer (the layout may differ where the names are canonical)
+SAME_RUN = ("model", "optimizer", "global_batch_size", "seq_len", "dataset", "num_samples", "seed")
+_QKV = re.compile(r"(.*\.qkv)\.([qkv])\.(weight|bias)$")  # the library TP's attention (tp_plan.QKV)
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used: what is wrong with it, and what to do instead."""
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def complete(root: str | Path) -> list[Path]:
+    """The finished checkpoints under `root`, oldest first (a `.partial` folder is a save cut short)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _STEP.fullmatch(p.name) and (p / META).exists())
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint folder itself, or the newest complete one under a run's checkpoint folder."""
+    path = Path(path)
+    if (path / META).exists():
+        return path
+    found = complete(path)
+    if not found:
+        partial = sorted(path.glob("step-*")) if path.is_dir() else []
+        raise CheckpointError(
+            f"no complete checkpoint in {path}" + (f" (only {', '.join(p.name for p in partial)}, which lack {META}: "
+                                                    "saves cut short)" if partial else "")
+            + "; give a folder a run wrote with --checkpoint-dir, or one of its step-N folders")
+    return found[-1]
+
+
+def names_of(par) -> str:
+    return getattr(par, "checkpoint_names", "canonical")
+
+
+# -- the state dict a rank saves, and the one it loads into ---------------------------------------------
+
+
+def _module_optimizer(par) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """What holds the weights and the optimizer whose state is this rank's (ZeroRedundancyOptimizer: the
+    optimizer over its own partition)."""
+    optimizer = par.optimizer
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        optimizer = optimizer.optim
+    # FSDP1's flat parameters are the model's weights only seen through its wrapper
+    module = par.module if type(par.module).__name__ == "FullyShardedDataParallel" else par.model
+    return module, optimizer
+
+
+def _canonical_name(module: nn.Module, name: str) -> str:
+    """A pipeline rank keeps its stages in an nn.ModuleList: `0.blocks.3.x` (or `0.piece.blocks.3.x`, the
+    library's stage around its piece) is `blocks.3.x`."""
+    return re.sub(r"^\d+\.(piece\.)?", "", name) if isinstance(module, nn.ModuleList) else name
+
+
+def _whole(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _canonical(module: nn.Module, model_sd: dict, optim_state: dict) -> tuple[dict, dict, dict]:
+    """(model, optimizer state) under the single-device names, and the live tensors each fused name stands
+    for. The library TP holds attention's [q | k | v] projection as three layers: saved, they become the one
+    tensor the model has (gathered whole: every rank holds the same, written once)."""
+    model, optim, fused = {}, {}, {}
+    for name, value in model_sd.items():
+        name = _canonical_name(module, name)
+        if m := _QKV.fullmatch(name):
+            fused.setdefault(f"{m[1]}.{m[3]}", {})[m[2]] = name
+        else:
+            model[name] = value
+    for name, state in optim_state.items():
+        name = _canonical_name(module, name)
+        if not _QKV.fullmatch(name):
+            optim[name] = state
+    for whole_name, parts in fused.items():
+        live = {p: [k for k in model_sd if _canonical_name(module, k) == parts[p]][0] for p in "qkv"}
+        model[whole_name] = torch.cat([_whole(model_sd[live[p]]) for p in "qkv"])
+        states = [optim_state.get(live[p]) for p in "qkv"]
+        if states[0] is not None:
+            optim[whole_name] = {k: (torch.cat([_whole(s[k]) for s in states]) if states[0][k].dim() else states[0][k])
+                                 for k in states[0]}
+        fused[whole_name] = live
+    return model, optim, fused
+
+
+def _cut_fused(whole: torch.Tensor, parts: list) -> None:
+    """Put a loaded fused tensor's thirds back into the live q, k, v tensors (DTensors: each rank its rows)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for third, live in zip(whole.chunk(3), parts):
+        if isinstance(live, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(third.shape, live.device_mesh, live.placements)
+            piece = third[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+            live.to_local().copy_(piece)
+        else:
+            live.copy_(third)
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def rank_state(par, rank: int) -> tuple[dict, dict]:
+    """(what this rank saves, how to put a loaded copy of it back): the weights and optimizer state."""
+    module, optimizer = _module_optimizer(par)
+    if names_of(par) == "local":  # the module's tensors (but those a ZeRO-3 frees between steps), and the
+        # optimizer's own parameters (the from-scratch ZeRO's flat shards) and their state, by position
+        optim = optimizer.state_dict()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {f"rank{rank}": {
+            "model": {k: _local(v) for k, v in module.state_dict().items() if _local(v).untyped_storage().size()},
+            "params": {str(i): _local(p.data) for i, p in enumerate(params)},
+            "optimizer": {str(i): {k: _local(v) for k, v in s.items()} for i, s in optim["state"].items()}}}
+        return state, {"local": True}
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    model, optim, fused = _canonical(module, model_sd, optim_sd["state"])
+    return {"model": model, "optimizer": optim}, {"model_sd": model_sd, "optim_sd": optim_sd, "fused": fused}
+
+
+def _put_back(par, state: dict, how: dict) -> None:
+    """After dcp.load wrote into `state`: make the module and optimizer hold it."""
+    if how.get("local"):
+        return  # loaded in place: the tensors are the live ones (or views of them)
+    module, optimizer = _module_optimizer(par)
+    model_sd, optim_sd = how["model_sd"], how["optim_sd"]
+    for whole_name, live in how["fused"].items():
+        _cut_fused(state["model"][whole_name], [model_sd[live[p]] for p in "qkv"])
+        if whole_name in state["optimizer"]:
+            for k, value in state["optimizer"][whole_name].items():
+                if value.dim():
+                    _cut_fused(value, [optim_sd["state"][live[p]][k] for p in "qkv"])
+                else:
+                    for p in "qkv":
+                        optim_sd["state"][live[p]][k].copy_(value)
+    set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def _make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter the optimizer's state (zeros) as its first step would, for dcp.load to fill:
+    torch's own helper steps once with zero gradients and a learning rate of 0, which changes no weight.
+    It does nothing where a gradient exists (the from-scratch ZeRO keeps its shards' gradient tensors
+    attached for good): those are set aside meanwhile and put back."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    _init_optim_state(optimizer)
+    for p, grad in zip(params, grads):
+        p.grad = grad
+
+
+def _targets(par, rank: int) -> tuple[dict, dict]:
+    """The state dict dcp.load fills: this rank's live tensors under the saved names (the optimizer's
+    state made first, as its first step would make it, so that there is something to load into)."""
+    _, optimizer = _module_optimizer(par)
+    _make_optimizer_state(optimizer)
+    state, how = rank_state(par, rank)
+    if not how.get("local"):  # fused tensors are gathered copies: load into fresh ones, cut back after
+        for whole_name in how["fused"]:
+            state["model"][whole_name] = torch.empty_like(state["model"][whole_name])
+            for k, v in state["optimizer"].get(whole_name, {}).items():
+                state["optimizer"][whole_name][k] = torch.empty_like(v)
+    return state, how
+
+
+def train_state(rank: int, steps_done: int, losses: list[float], scaler, device: torch.device) -> dict:
+    """The rest of what the next step depends on: where the data stand, the random generators, the loss
+    scale (fp16-mixed), and the losses so far (for the record)."""
+    state = {"steps_done": torch.tensor(steps_done), "losses": torch.tensor(losses, dtype=torch.float64),
+             f"rng_rank{rank}": torch.get_rng_state(),
+             "loss_scaler": json.dumps({"scaler": scaler.scaler.state_dict(), **scaler.report()} if scaler else None)}
+    if device.type == "cuda":
+        state[f"cuda_rng_rank{rank}"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _train_targets(rank: int, device: torch.device, saved: dict) -> dict:
+    """What dcp.load fills for the train state: this rank's generators only where the saving run had this
+    rank (a checkpoint loaded by more ranks than saved it leaves the new ranks' generators as they are)."""
+    saved_keys = set(saved)
+    state = {"steps_done": torch.zeros((), dtype=torch.long), "losses": torch.empty(saved["train.losses"].size,
+                                                                                      dtype=torch.float64),
+             "loss_scaler": ""}
+    if f"train.rng_rank{rank}" in saved_keys:
+        state[f"rng_rank{rank}"] = torch.get_rng_state()
+    if device.type == "cuda" and f"train.cuda_rng_rank{rank}" in saved_keys:
+        state[f"cuda_rng_rank{rank}"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+# -- saving ----------------------------------------------------------------------------------------------
+
+
+def _rank_of(name: str) -> int | None:
+    """Which rank wrote a checkpoint file: DCP's `__R_0.distcp`, DeepSpeed's `zero_pp_rank_R_...` (its
+    `mp_rank_00_model_states.pt` is rank 0's)."""
+    if m := re.match(r"__(\d+)_\d+\.distcp$", name) or re.match(r"(?:bf16_)?zero_pp_rank_(\d+)_", name):
+        return int(m[1])
+    return 0 if name.startswith("mp_rank_") else None
+
+
+def files_of(folder: Path) -> dict[str, int]:
+    """Every file of a checkpoint folder (but meta.json) and its size in bytes."""
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != META}
+
+
+class Checkpointer:
+    """Saves a run's state every `cfg.checkpoint_every` steps (and after its last step) into
+    `cfg.checkpoint_dir`, blocking or in the background (`checkpoint_async`: the state is copied to host
+    memory while training waits, then written by a thread while training goes on; the folder is finished,
+    renamed, at the next save or at the end). Every rank calls every method, in the same order."""
+
+    def __init__(self, cfg, rt, par, fault=None):
+        self.cfg, self.rt, self.par, self.fault = cfg, rt, par, fault or (lambda stage, step: None)
+        self.root = Path(cfg.checkpoint_dir)
+        # the checkpoint's own gloo group: its collectives may run on a background thread (async), beside the
+        # training's, and DCP exchanges its plans as Python objects, which gloo carries on any device
+        self.group = dist.new_group(backend="gloo")
+        self.pending: tuple | None = None  # (step, folder, future, start, blocking_s) of a save in flight
+        self.saves: list[dict] = []  # what each save cost: for the record
+
+    def due(self, steps_done: int) -> bool:
+        every = self.cfg.checkpoint_every
+        return (every is not None and steps_done % every == 0) or steps_done == self.cfg.steps
+
+    def save(self, steps_done: int, losses: list[float]) -> None:
+        self.finish()
+        start = time.perf_counter()
+        final = step_dir(self.root, steps_done)
+        folder = final.with_name(final.name + ".partial")
+        if self.rt.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)  # an earlier save of this step, cut short
+            folder.mkdir(parents=True)
+        dist.barrier(group=self.group)
+        self.fault("start", steps_done)
+        names = names_of(self.par)
+        state = {} if names == "deepspeed" else rank_state(self.par, self.rt.rank)[0]
+        if names == "deepspeed":
+            self.par.module.save_checkpoint(str(folder), tag="engine")  # the engine's own, every rank
+        state["train"] = train_state(self.rt.rank, steps_done, losses, self.par.scaler, self.rt.device)
+        if self.cfg.checkpoint_async:
+            future = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+            self.pending = (steps_done, folder, future, start, time.perf_counter() - start)
+        else:
+            dcp.save(state, checkpoint_id=folder, process_group=self.group)
+            self.pending = (steps_done, folder, None, start, None)
+            self.finish()
+
+    def finish(self) -> None:
+        """Finish the save in flight: wait for its files, then describe it and rename it into place."""
+        if self.pending is None:
+            return
+        steps_done, folder, future, start, blocking_s = self.pending
+        self.pending = None
+        waited = time.perf_counter()
+        if future is not None:
+            future.result()
+        self.fault("written", steps_done)
+        dist.barrier(group=self.group)  # every rank's files are written
+        final = step_dir(self.root, steps_done)
+        files = files_of(folder)
+        if self.rt.rank == 0:
+            meta = {"format": FORMAT, "steps_done": steps_done, "names": names_of(self.par),
+                    "config": self.cfg.to_dict(), "grid": self.cfg.grid.as_dict(), "world_size": self.rt.world_size,
+                    "same_run": {k: getattr(self.cfg, k) for k in SAME_RUN},
+                    "files": files, "saved_unix": time.time()}
+            with open(folder / META, "w") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+        self.fault("described", steps_done)
+        dist.barrier(group=self.group)
+        if self.rt.rank == 0:
+            old = final.with_name(final.name + ".old")
+            if final.exists():  # the same step saved again (a restarted run): swap, then drop the old one
+                os.replace(final, old)
+            os.replace(folder, final)
+            shutil.rmtree(old, ignore_errors=True)
+        self.fault("renamed", steps_done)
+        if self.rt.rank == 0 and self.cfg.checkpoint_keep:
+            for stale in complete(self.root)[:-self.cfg.checkpoint_keep]:
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier(group=self.group)
+        now = time.perf_counter()
+        by_rank = [0] * self.rt.world_size
+        for name, size in files.items():
+            if (r := _rank_of(Path(name).name)) is not None and r < len(by_rank):
+                by_rank[r] += size
+        self.saves.append({"steps_done": steps_done, "async": future is not None,
+                           "blocking_s": (now - start) if future is None else blocking_s + (now - waited),
+                           "total_s": now - start, "bytes_total": sum(files.values()), "bytes_by_rank": by_rank})
+
+
+# -- loading ---------------------------------------------------------------------------------------------
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json of a checkpoint folder, after checking that every file it lists is there, whole."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is not a complete checkpoint: its {META} cannot be read ({err}); "
+                              "use an earlier step-N folder, or start the run anew") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} was written in checkpoint format {meta.get('format')!r}; this package "
+                              f"reads format {FORMAT}")
+    wrong = [f"{name} ({'missing' if not (path / name).exists() else f'{(path / name).stat().st_size} bytes'}, "
+             f"written with {size})" for name, size in meta["files"].items()
+             if not (path / name).exists() or (path / name).stat().st_size != size]
+    if wrong:
+        raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(wrong)}. Nothing was loaded; resume from "
+                              f"an earlier step-N folder beside it")
+    return meta
+
+
+def compatibility_problems(meta: dict, cfg) -> list[str]:
+    """Why a run with `cfg` cannot continue from a checkpoint described by `meta` (empty: it can)."""
+    saved = meta["config"]
+    problems = [f"{k} {meta['same_run'][k]!r} (this run: {getattr(cfg, k)!r})" for k in SAME_RUN
+                if meta["same_run"][k] != getattr(cfg, k)]
+    if problems:
+        hint = "" if "num_samples" not in str(problems) else (
+            " (the data set is global_batch_size x steps samples unless dataset_size is given: give both runs "
+            "the same --dataset-size to train a saved run for more steps)")
+        return [f"it was saved by a run with {', '.join(problems)}: the weights or the data would not continue{hint}"]
+    if meta["steps_done"] >= cfg.steps:
+        return [f"it holds {meta['steps_done']} steps done and this run asks for steps={cfg.steps}: nothing to "
+                f"train; give more steps than {meta['steps_done']}"]
+    same_layout = saved["strategy"] == cfg.strategy and meta["grid"] == cfg.grid.as_dict()
+    if meta["names"] != "canonical" and not same_layout:
+        return [f"it was saved by {saved['strategy']} on grid {meta['grid']}, whose pieces ({meta['names']} "
+                f"names) only that layout reads; resume with --strategy {saved['strategy']} and the same degrees, "
+                "or save from a strategy whose checkpoints are canonical (fsdp, ddp, tp, pp, single)"]
+    return []
+
+
+def _flat_keys(state: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in state.items():
+        out += _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    return out
+
+
+def load(path: str | Path, par, cfg, rt) -> dict:
+    """Load a checkpoint into a prepared strategy; return the train state ({"steps_done", "losses"})."""
+    path = resolve(path)
+    meta = read_meta(path)
+    problems = compatibility_problems(meta, cfg)
+    if problems:
+        raise CheckpointError(f"cannot continue from {path}: " + "; ".join(problems))
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    names = names_of(par)
+    state, how = ({}, {}) if names == "deepspeed" else _targets(par, rt.rank)
+    if names == "local" and meta["names"] != "local":
+        raise CheckpointError(f"cannot continue from {path}: {cfg.strategy} saves and loads its own pieces, and "
+                              f"this checkpoint is {meta['names']}")
+    state["train"] = _train_targets(rt.rank, rt.device, saved)
+    wanted = _flat_keys(state)
+    missing = [k for k in wanted if k not in saved]
+    if names == "local":  # a rank's own pieces: every one it saved has a place now, or the layouts differ
+        missing += [f"a place for {k}" for k in saved if k.startswith(f"rank{rt.rank}.") and k not in wanted]
+    if missing:
+        raise CheckpointError(f"cannot continue from {path}: it lacks {', '.join(missing[:3])}"
+                              f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}, which this run "
+                              f"({cfg.strategy}, grid {cfg.grid.as_dict()}) holds; it was saved by "
+                              f"{meta['config']['strategy']} on grid {meta['grid']}")
+    if names == "deepspeed":
+        loaded, _ = par.module.load_checkpoint(str(path), tag="engine", load_lr_scheduler_states=False)
+        if loaded is None:
+            raise CheckpointError(f"cannot continue from {path}: DeepSpeed found no engine state in it")
+    try:
+        dcp.load(state, checkpoint_id=path, process_group=dist.group.WORLD)
+    except Exception as err:
+        raise CheckpointError(f"could not read checkpoint {path}: {type(err).__name__}: "
+                              f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
+    if names != "deepspeed":
+        _put_back(par, state, how)
+    train = state["train"]
+    for key, value in train.items():
+        if key.startswith("rng_rank"):
+            torch.set_rng_state(value)
+        elif key.startswith("cuda_rng_rank"):
+            torch.cuda.set_rng_state(value, rt.device)
+    scaler = json.loads(train["loss_scaler"]) if train["loss_scaler"] else None
+    if scaler and par.scaler is not None:
+        par.scaler.scaler.load_state_dict(scaler["scaler"])
+        par.scaler.scale_by_step[:] = scaler["loss_scale_by_step"]
+        par.scaler.skipped_steps[:] = scaler["skipped_steps"]
+    return {"steps_done": int(train["steps_done"]), "losses": train["losses"].tolist(), "path": str(path),
+            "names": meta["names"], "saved_by": {"strategy": meta["config"]["strategy"], "grid": meta["grid"]}}
