@@ -94,6 +94,9 @@ def _config(args) -> RunConfig:
         seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
         activation_checkpointing=args.activation_checkpointing, dataset=args.dataset, seed=args.seed,
         device=args.device, bucket_cap_mb=args.bucket_cap_mb, threads_per_worker=args.threads_per_worker,
+        **{name: getattr(args, name) for name in ("dataset_size", "checkpoint_dir", "checkpoint_every",
+                                                  "checkpoint_keep", "checkpoint_async", "resume")
+           if hasattr(args, name)},
     )
     if cfg.strategy in STRATEGIES:  # what the strategy needs and the defaults do not give, said
         chosen = {name for name in ("model", "grad_accum_steps") if getattr(args, name) is not None}
@@ -113,7 +116,7 @@ def cmd_run(args) -> int:
     cfg = _config(args)
     record = launch(cfg, port=args.port, timeout_s=args.timeout, progress=None if not args.json else False,
                     nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                    check_memory=not args.no_memory_check)
+                    check_memory=not args.no_memory_check, max_restarts=args.max_restarts)
     if args.json:
         print(json.dumps(record))
         return 0
@@ -131,6 +134,16 @@ def cmd_run(args) -> int:
     print(f"  batch       {cfg.global_batch_size} samples per step = {d['dp']} x "
           f"{cfg.per_rank_batch_size} (micro-batches of {cfg.micro_batch_size})")
     print(f"  loss        {record['loss'][0]:.4f} -> {record['loss'][-1]:.4f} over {cfg.steps} steps")
+    ckpt = record.get("checkpoint", {})
+    if ckpt.get("resumed"):
+        r = ckpt["resumed"]
+        print(f"  resumed     from {r['path']} ({r['steps_done']} steps done, saved by {r['saved_by']['strategy']} "
+              f"on {r['saved_by']['grid']})")
+    for save in (ckpt.get("saves") or [[]])[0]:
+        print(f"  checkpoint  step {save['steps_done']}: {_mib(save['bytes_total'])} written, training blocked "
+              f"{save['blocking_s'] * 1e3:.0f} ms of {save['total_s'] * 1e3:.0f} ms" + " (async)" * save["async"])
+    if record["step_time_s"] is None:  # a reshard: no step trained
+        return 0
     print(f"  step time   {record['step_time_s'] * 1e3:.1f} ms (median of {record['timed_steps']} steps)")
     print(f"  throughput  {record['tokens_per_s']:,.0f} tokens/s, {record['samples_per_s']:,.1f} samples/s")
     who = "primary replica" if cfg.info.one_process else "rank 0"
@@ -192,6 +205,20 @@ def build_parser() -> argparse.ArgumentParser:
                      "hosts the rendezvous")
     run.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT where the nodes meet: node 0's address and "
                      "a free port every node can reach (needed with --nnodes > 1)")
+    run.add_argument("--dataset-size", type=int, default=None,
+                     help="samples in the data set (default: global batch x steps; fix it to train a saved run longer)")
+    run.add_argument("--checkpoint-dir", default=None, help="save the run's state into DIR/step-N (weights, optimizer, "
+                     "data position, generators), after the last step and every --checkpoint-every steps")
+    run.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints")
+    run.add_argument("--checkpoint-keep", type=int, default=RunConfig().checkpoint_keep,
+                     help="the newest complete checkpoints kept (older ones are deleted)")
+    run.add_argument("--checkpoint-async", action="store_true",
+                     help="write checkpoints in the background while training goes on (DCP's async_save)")
+    run.add_argument("--resume", default=None, help="continue from a checkpoint: a step-N folder, or a "
+                     "--checkpoint-dir (its newest); as many --steps as it has done saves it again under this "
+                     "run's layout (a reshard) without training")
+    run.add_argument("--max-restarts", type=int, default=0, help="times torchrun restarts the workers after a "
+                     "failure; with --checkpoint-dir they continue from the newest checkpoint")
     run.add_argument("--no-memory-check", action="store_true",
                      help="start even if the estimator says the run does not fit in this machine's free memory")
     run.set_defaults(func=cmd_run)

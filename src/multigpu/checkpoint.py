@@ -131,6 +131,17 @@ def _canonical(module: nn.Module, model_sd: dict, optim_state: dict) -> tuple[di
         name = _canonical_name(module, name)
         if not _QKV.fullmatch(name):
             optim[name] = state
+    # a tied weight (GPT-2's embedding and head) is one tensor under two names, whose state the optimizer
+    # keeps under one of them; a pipeline holds it twice (first and last stage), each copy with its state
+    # under its own name: saved under both, every layout finds the one it needs
+    names_of_tensor: dict[tuple, list[str]] = {}
+    for name, value in model.items():
+        local = _local(value)
+        names_of_tensor.setdefault((local.data_ptr(), local.shape, local.stride()), []).append(name)
+    for names in names_of_tensor.values():
+        if (held := [n for n in names if n in optim]) and len(names) > 1:
+            for n in names:
+                optim.setdefault(n, optim[held[0]])
     for whole_name, parts in fused.items():
         live = {p: [k for k in model_sd if _canonical_name(module, k) == parts[p]][0] for p in "qkv"}
         model[whole_name] = torch.cat([_whole(model_sd[live[p]]) for p in "qkv"])
@@ -383,9 +394,10 @@ def compatibility_problems(meta: dict, cfg) -> list[str]:
             " (the data set is global_batch_size x steps samples unless dataset_size is given: give both runs "
             "the same --dataset-size to train a saved run for more steps)")
         return [f"it was saved by a run with {', '.join(problems)}: the weights or the data would not continue{hint}"]
-    if meta["steps_done"] >= cfg.steps:
+    if meta["steps_done"] > cfg.steps or (meta["steps_done"] == cfg.steps and not cfg.checkpoint_dir):
         return [f"it holds {meta['steps_done']} steps done and this run asks for steps={cfg.steps}: nothing to "
-                f"train; give more steps than {meta['steps_done']}"]
+                f"train; give more steps than {meta['steps_done']} (or as many, with a checkpoint_dir, to save it "
+                "again under this run's layout)"]
     same_layout = saved["strategy"] == cfg.strategy and meta["grid"] == cfg.grid.as_dict()
     if meta["names"] != "canonical" and not same_layout:
         return [f"it was saved by {saved['strategy']} on grid {meta['grid']}, whose pieces ({meta['names']} "

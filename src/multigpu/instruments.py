@@ -93,7 +93,7 @@ class Instruments:
         untracked = [t for s, t in enumerate(times) if s > max(self.last_tracked_step, self.comm_step, 0)]
         return {
             "step_times_s": times,
-            "step_time_s": statistics.median(untracked or times),
+            "step_time_s": statistics.median(untracked or times) if times else None,  # None: no step (a reshard)
             "timed_steps": len(untracked) or len(times),
             "step_time_includes_tracking": not untracked,  # too few steps to time any cleanly
             "memory": tracker.by_category if tracker else dict.fromkeys([*CATEGORIES, "total"]) if own

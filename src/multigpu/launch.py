@@ -119,6 +119,7 @@ def launch(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     check_memory: bool = True,
+    max_restarts: int = 0,
 ) -> dict:
     """Run `cfg` on `cfg.world_size` processes; return the run's record (see records.py).
 
@@ -135,7 +136,9 @@ def launch(
     takes GPUs of its own, or all run on the CPU): on a real cluster give every node, node 0
     included, node 0's routable address.
     check_memory: refuse, before any worker starts, a run the estimator says cannot fit in
-    this machine's free memory (`memory_problem`)."""
+    this machine's free memory (`memory_problem`).
+    max_restarts: torchrun's --max-restarts: after a worker fails, all are started again (this many times at
+    most); with cfg.checkpoint_dir they continue from its newest checkpoint."""
     from multigpu.runtime import LOOPBACK_HOSTS, device_plan
 
     cfg.validate()
@@ -145,6 +148,8 @@ def launch(
     if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout_s!r}")
     per_node = check_nodes(cfg, nnodes, node_rank, rdzv_endpoint, port)
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= 100:
+        raise ConfigError(f"max_restarts must be a whole number from 0 to 100, got {max_restarts!r}")
     # nodes meeting on a loopback address are stand-ins on this one machine: they share its GPUs
     on_loopback = rdzv_endpoint is not None and str(rdzv_endpoint).rpartition(":")[0] in LOOPBACK_HOSTS
     try:
@@ -177,7 +182,8 @@ def launch(
     try:  # whatever happens, the run's folder goes away
         return _run(cfg, device, rendezvous, out_dir, timeout_s=timeout_s, progress=progress,
                     params_path=params_path, verbose=verbose, nnodes=nnodes, endpoint=rdzv_endpoint,
-                    visible_gpus=plan.visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")))
+                    visible_gpus=plan.visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")),
+                    max_restarts=max_restarts)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
 
@@ -252,7 +258,7 @@ def check_nodes(cfg: RunConfig, nnodes, node_rank, rdzv_endpoint, port) -> int:
 
 def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, timeout_s, progress,
          params_path, verbose, nnodes: int = 1, endpoint: str | None = None,
-         visible_gpus: str | None = None) -> dict:
+         visible_gpus: str | None = None, max_restarts: int = 0) -> dict:
     (out_dir / "config.json").write_text(cfg.to_json())
     args = ["-m", "multigpu.worker", "--config", str(out_dir / "config.json"), "--out", str(out_dir),
             "--device", device, *(["--save-params"] if params_path is not None else [])]
@@ -263,7 +269,7 @@ def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, t
             args, processes=per_node, rendezvous=rendezvous, nnodes=nnodes,
             threads=cfg.threads_per_worker or threads_per_process(per_node),
             timeout_s=timeout_s, progress=progress, bar=(cfg.steps, f"{cfg.strategy} x{cfg.world_size}"),
-            verbose=verbose, visible_gpus=visible_gpus,
+            verbose=verbose, visible_gpus=visible_gpus, max_restarts=max_restarts,
             timeout_hint=f"raise timeout_s or run fewer steps ({cfg.steps}) or a smaller model ({cfg.model})")
     except LaunchError:
         if endpoint is not None and not any(out_dir.glob("started-rank*")):  # no worker ever started
@@ -294,13 +300,13 @@ def _rendezvous_message(tail: list[str], endpoint: str, nnodes: int) -> str:
 def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], threads: int, timeout_s: float,
                  progress: bool | None, bar: tuple[int, str], verbose: bool = False,
                  timeout_hint: str = "raise timeout_s", nnodes: int = 1,
-                 visible_gpus: str | None = None) -> tuple[int, list[str]]:
+                 visible_gpus: str | None = None, max_restarts: int = 0) -> tuple[int, list[str]]:
     """Run `python -m torch.distributed.run ... <args>` on `processes` workers of this node
     (one of `nnodes`); return (exit code, last output lines). Draws progress lines as a bar;
     stops every worker on a timeout or an interrupt, so nothing is left running.
     visible_gpus: the workers' CUDA_VISIBLE_DEVICES (the device plan's, for a stand-in node)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nnodes={nnodes}",
-           f"--nproc-per-node={processes}", "--max-restarts=0", *args]
+           f"--nproc-per-node={processes}", f"--max-restarts={max_restarts}", *args]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([_SRC, *filter(None, [os.environ.get("PYTHONPATH")])]))
     if visible_gpus is not None:

@@ -113,6 +113,8 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
         instruments.progress(step, step_loss)
         if saver and saver.due(step + 1):
             saver.save(step + 1, losses)
+    if saver and steps_done == cfg.steps:  # nothing to train: the checkpoint saved again under this layout
+        saver.save(steps_done, losses)
     if saver:
         saver.finish()  # an asynchronous save still in flight
 

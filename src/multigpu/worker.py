@@ -34,7 +34,8 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
     steps = len(results[0]["loss"])
     # the global loss is the mean of the ranks' losses (each rank holds an equal share)
     loss = [sum(r["loss"][s] for r in results) / len(results) for s in range(steps)]
-    step_time_s = max(r["step_time_s"] for r in results)  # the slowest rank sets the pace
+    # the slowest rank sets the pace (None: no step was trained, a checkpoint saved again under a new layout)
+    step_time_s = max(r["step_time_s"] for r in results) if results[0]["step_time_s"] is not None else None
     tokens_per_step = cfg.global_batch_size * results[0]["seq_len"]
     report = results[0]["strategy_report"]
     # one process, many replicas (dp): the strategy itself says what each replica holds
@@ -51,8 +52,8 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         "step_times_s_by_rank": [r["step_times_s"] for r in results],
         "timed_steps": results[0]["timed_steps"],
         "step_time_includes_tracking": results[0]["step_time_includes_tracking"],
-        "tokens_per_s": tokens_per_step / step_time_s,
-        "samples_per_s": cfg.global_batch_size / step_time_s,
+        "tokens_per_s": tokens_per_step / step_time_s if step_time_s else None,
+        "samples_per_s": cfg.global_batch_size / step_time_s if step_time_s else None,
         "loss": loss,
         "model_state_bytes_by_rank": [r["model_states"] for r in results],
         "peak_memory_bytes_by_rank": peak_by_rank,
@@ -75,6 +76,9 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         **({"checkpoint": {"saves": [r["checkpoint"]["saves"] for r in results],
                            "resumed": results[0]["checkpoint"]["resumed"]}}
            if results[0]["checkpoint"]["saves"] or results[0]["checkpoint"]["resumed"] else {}),
+        # times torchrun started the workers again after a failure (--max-restarts) before this record
+        **({"restarts": int(os.environ["TORCHELASTIC_RESTART_COUNT"])}
+           if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" else {}),
         # a strategy whose ranks each report something of their own (a pipeline stage's events)
         "strategy_report_by_rank": [r["strategy_report"] for r in results]
         if len(results) > 1 and any(r["strategy_report"] for r in results[1:]) else None,
