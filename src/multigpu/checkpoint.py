@@ -236,7 +236,7 @@ def _targets(par, rank: int) -> tuple[dict, dict]:
 def train_state(rank: int, steps_done: int, losses: list[float], scaler, device: torch.device) -> dict:
     """The rest of what the next step depends on: where the data stand, the random generators, the loss
     scale (fp16-mixed), and the losses so far (for the record)."""
-    state = {"steps_done": torch.tensor(steps_done), "losses": torch.tensor(losses, dtype=torch.float64),
+    state = {"steps_done": torch.tensor(steps_done), f"losses_rank{rank}": torch.tensor(losses, dtype=torch.float64),
              f"rng_rank{rank}": torch.get_rng_state(),
              "loss_scaler": json.dumps({"scaler": scaler.scaler.state_dict(), **scaler.report()} if scaler else None)}
     if device.type == "cuda":
@@ -248,9 +248,10 @@ def _train_targets(rank: int, device: torch.device, saved: dict) -> dict:
     """What dcp.load fills for the train state: this rank's generators only where the saving run had this
     rank (a checkpoint loaded by more ranks than saved it leaves the new ranks' generators as they are)."""
     saved_keys = set(saved)
-    state = {"steps_done": torch.zeros((), dtype=torch.long), "losses": torch.empty(saved["train.losses"].size,
-                                                                                      dtype=torch.float64),
-             "loss_scaler": ""}
+    # every saving rank's losses (a rank's own loss differs: each averages its own samples)
+    state = {"steps_done": torch.zeros((), dtype=torch.long), "loss_scaler": "",
+             **{key[len("train."):]: torch.empty(meta.size, dtype=torch.float64) for key, meta in saved.items()
+                if key.startswith("train.losses_rank")}}
     if f"train.rng_rank{rank}" in saved_keys:
         state[f"rng_rank{rank}"] = torch.get_rng_state()
     if device.type == "cuda" and f"train.cuda_rng_rank{rank}" in saved_keys:
@@ -458,5 +459,8 @@ def load(path: str | Path, par, cfg, rt) -> dict:
         par.scaler.scaler.load_state_dict(scaler["scaler"])
         par.scaler.scale_by_step[:] = scaler["loss_scale_by_step"]
         par.scaler.skipped_steps[:] = scaler["skipped_steps"]
-    return {"steps_done": int(train["steps_done"]), "losses": train["losses"].tolist(), "path": str(path),
+    saved_losses = [v for k, v in train.items() if k.startswith("losses_rank")]
+    # this rank's own; under another layout (a rank the saving run did not have), the mean of the saving ranks'
+    losses = train.get(f"losses_rank{rt.rank}", torch.stack(saved_losses).mean(0) if saved_losses else None)
+    return {"steps_done": int(train["steps_done"]), "losses": losses.tolist(), "path": str(path),
             "names": meta["names"], "saved_by": {"strategy": meta["config"]["strategy"], "grid": meta["grid"]}}

@@ -222,8 +222,16 @@ def init(device_type: str, timeout_s: float = 300) -> Runtime:
         device, backend = torch.device("cpu"), "gloo"
     # device_id binds NCCL to this GPU now: start-up errors surface here, and barriers know
     # their device (without it rank 0 warns "using the device under current context")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = None
+    if restart != "0":  # torchrun's store outlives a restart, and the failed attempt's process groups left their
+        # peers' addresses in it under the same names: a new group would dial the dead workers and wait for good
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
+                                           timeout=timedelta(seconds=timeout_s)))
+        store = dist.PrefixStore(f"restart-{restart}/", store)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device_type == "cuda" else None)
+                            device_id=device if device_type == "cuda" else None,
+                            **({"store": store, "rank": rank, "world_size": world_size} if store else {}))
     return Runtime(rank, local_rank, world_size, device, backend)
 
 

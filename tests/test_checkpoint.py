@@ -1,0 +1,222 @@
+"""Checkpoints: a run stopped and resumed ends bit for bit where the unbroken run ends, for every family
+of strategies; a checkpoint loads under another layout with every tensor unchanged; a save cut short at
+any stage leaves the previous checkpoint whole; a killed rank restarted by torchrun finishes like the
+unbroken run; a damaged or foreign checkpoint is refused by name before anything is loaded."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from multigpu import checkpoint
+from multigpu.config import ConfigError, RunConfig
+from multigpu.data import TokenDataset, batches, make_loader
+from multigpu.launch import LaunchError, launch, launch_series
+
+BASE = dict(model="gpt-tiny", global_batch_size=8, dataset_size=32, optimizer="adamw", lr=0.01, steps=3,
+            track_memory=False)
+# (strategy, processes, overrides): every family, at 1, 2 and 4 processes
+RESUMED = [
+    ("single", 1, {}),
+    ("dp", 2, {}),
+    ("ddp", 2, {}),
+    ("zero2", 2, {}),
+    ("zero3", 2, {}),
+    ("zero1-torch", 2, {}),
+    ("fsdp", 2, {}),
+    ("tp", 2, {}),
+    ("tp-scratch", 2, {}),
+    ("pp-1f1b-scratch", 2, {"model": "gpt-mini", "grad_accum_steps": 2}),
+    ("cp-scratch", 2, {}),
+    ("ep-scratch", 2, {"model": "gpt-moe-tiny"}),
+    ("fsdp", 4, {"tp": 2}),
+    ("ddp-scratch", 4, {"tp": 2}),
+    ("pp-1f1b", 4, {"model": "gpt-mini", "dp": 2, "grad_accum_steps": 2}),
+    ("fsdp", 4, {"model": "gpt-moe-tiny", "ep": 2}),
+    ("zero1", 4, {}),
+]
+
+
+def _series(cfgs: list[RunConfig], params: Path) -> list[tuple[dict, dict]]:
+    """(record, trained weights) of each config, every group of the same process count in one series."""
+    out = {}
+    for processes in sorted({c.processes for c in cfgs}):
+        idx = [i for i, c in enumerate(cfgs) if c.processes == processes]
+        folder = params / f"p{processes}"
+        folder.mkdir(parents=True)
+        records = launch_series([cfgs[i] for i in idx], params_dir=folder)
+        out.update({i: (r, torch.load(folder / f"run{j}.pt")) for j, (i, r) in enumerate(zip(idx, records))})
+    return [out[i] for i in range(len(cfgs))]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Each case trained 3 steps unbroken, saving after steps 2 and 3; then again from its step-2 checkpoint."""
+    root = tmp_path_factory.mktemp("resume")
+    unbroken = [RunConfig(strategy=s, world_size=n, checkpoint_dir=str(root / f"case{i}"), checkpoint_every=2,
+                          **{**BASE, **o}) for i, (s, n, o) in enumerate(RESUMED)]
+    first = _series(unbroken, root / "first")
+    again = [c.replace(checkpoint_dir=None, checkpoint_every=None, resume=str(checkpoint.step_dir(c.checkpoint_dir, 2)))
+             for c in unbroken]
+    return first, _series(again, root / "again")
+
+
+@pytest.mark.parametrize("case", range(len(RESUMED)), ids=[f"{s}-{n}{''.join(f'-{k}{v}' for k, v in o.items())}"
+                                                           for s, n, o in RESUMED])
+def test_resumed_run_ends_bit_for_bit_like_the_unbroken_one(resumed, case):
+    (record, weights), (resumed_record, resumed_weights) = resumed[0][case], resumed[1][case]
+    assert resumed_record["checkpoint"]["resumed"]["steps_done"] == 2
+    assert resumed_record["loss"] == record["loss"]  # the first two from the checkpoint, the third trained again
+    assert weights.keys() == resumed_weights.keys()
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights), \
+        [k for k in weights if not torch.equal(weights[k], resumed_weights[k])]
+    saves = record["checkpoint"]["saves"][0]
+    assert [s["steps_done"] for s in saves] == [2, 3]
+    assert all(s["bytes_total"] > 0 and s["total_s"] >= s["blocking_s"] > 0 for s in saves)
+
+
+def _contents(folder: Path) -> dict:
+    """A checkpoint's tensors read whole, by name (the weights and the optimizer's state; not the generators,
+    which are each rank's own)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(folder, Path(tmp, "whole.pt"))
+        state = torch.load(Path(tmp, "whole.pt"), weights_only=False)
+
+    def flat(tree, prefix=""):
+        out = {}
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    return flat({k: v for k, v in state.items() if k != "train"})
+
+
+def test_a_checkpoint_moves_between_layouts_unchanged(tmp_path):
+    """FSDP on 4 ranks -> FSDP x TP (2 x 2) -> a pipeline of 2 -> one device: each run loads the last one's
+    checkpoint and saves it again under its own layout (as many steps as done: none trained)."""
+    chain = [("fsdp", 4, {}), ("fsdp", 4, {"tp": 2}), ("pp-gpipe", 2, {}), ("single", 1, {})]
+    folders = []
+    for i, (strategy, n, over) in enumerate(chain):
+        cfg = RunConfig(strategy=strategy, world_size=n, checkpoint_dir=str(tmp_path / str(i)),
+                        resume=str(folders[-1]) if folders else None, **{**BASE, "steps": 2, **over})
+        record = launch(cfg, progress=False)
+        folders.append(checkpoint.step_dir(cfg.checkpoint_dir, 2))
+        if i:
+            assert record["checkpoint"]["resumed"]["saved_by"]["strategy"] == chain[i - 1][0]
+    first = _contents(folders[0])
+    assert any(".exp_avg_sq" in k for k in first) and "model.lm_head.weight" in first
+    for folder in folders[1:]:
+        again = _contents(folder)
+        assert again.keys() == first.keys()
+        assert [k for k in first if not torch.equal(first[k], again[k])] == []
+
+
+@pytest.fixture(scope="module")
+def unbroken_ddp(tmp_path_factory):
+    path = tmp_path_factory.mktemp("unbroken") / "w.pt"
+    launch(RunConfig(strategy="ddp", world_size=2, **BASE), params_path=path, progress=False)
+    return torch.load(path)
+
+
+@pytest.mark.parametrize("stage", checkpoint.SAVE_STAGES)
+def test_a_save_cut_short_leaves_the_previous_checkpoint_whole(tmp_path, unbroken_ddp, stage):
+    """Rank 1 killed in the save after step 2 at `stage`: the newest complete checkpoint is step 1 (step 2
+    once renamed), and a run resumed from the folder ends like the unbroken run."""
+    folder = tmp_path / "ck"
+    cfg = RunConfig(strategy="ddp", world_size=2, checkpoint_dir=str(folder), checkpoint_every=1,
+                    fault=f"kill@1:2:{stage}", **BASE)
+    with pytest.raises(LaunchError, match="rank 1 was killed by signal SIGKILL"):
+        launch(cfg, progress=False)
+    newest = checkpoint.resolve(folder)
+    assert newest.name == ("step-00000002" if stage == "renamed" else "step-00000001")
+    if stage in ("written", "renamed"):
+        resumed = cfg.replace(fault=None, checkpoint_dir=None, checkpoint_every=None, resume=str(folder))
+        launch(resumed, params_path=tmp_path / "w.pt", progress=False)
+        weights = torch.load(tmp_path / "w.pt")
+        assert all(torch.equal(weights[k], unbroken_ddp[k]) for k in weights)
+
+
+def test_a_killed_rank_is_restarted_from_the_last_checkpoint(tmp_path, unbroken_ddp):
+    cfg = RunConfig(strategy="ddp", world_size=2, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1,
+                    fault="kill@1:2", **BASE)
+    record = launch(cfg, params_path=tmp_path / "w.pt", progress=False, max_restarts=1)
+    assert record["restarts"] == 1 and record["checkpoint"]["resumed"]["steps_done"] == 2
+    weights = torch.load(tmp_path / "w.pt")
+    assert all(torch.equal(weights[k], unbroken_ddp[k]) for k in weights)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("saved") / "ck"
+    launch(RunConfig(strategy="ddp", world_size=2, checkpoint_dir=str(folder), **BASE), progress=False)
+    return folder
+
+
+def test_a_damaged_checkpoint_is_refused_by_name(saved, tmp_path):
+    import shutil
+
+    copy = tmp_path / "ck"
+    shutil.copytree(saved, copy)
+    step = checkpoint.resolve(copy)
+    data = step / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(checkpoint.CheckpointError, match=r"damaged: __1_0.distcp \(100 bytes, written with \d+\)"):
+        checkpoint.read_meta(step)
+    (step / "__0_0.distcp").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"__0_0.distcp \(missing"):
+        RunConfig(strategy="ddp", world_size=2, resume=str(step), **{**BASE, "steps": 5}).validate()
+    (step / checkpoint.META).unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint in .*lack meta.json"):
+        checkpoint.resolve(copy)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model="gpt-mini"), "saved by a run with model 'gpt-tiny'"),
+    (dict(dataset_size=None, steps=5), "give both runs the same --dataset-size"),
+    (dict(steps=3), "nothing to train"),
+    (dict(strategy="fsdp", world_size=4), None),  # canonical names: another layout loads them
+])
+def test_a_foreign_checkpoint_is_refused_before_launch(saved, change, message):
+    cfg = RunConfig(**{"strategy": "ddp", "world_size": 2, "resume": str(saved), **BASE, "steps": 5, **change})
+    if message is None:
+        cfg.validate()
+    else:
+        with pytest.raises(ConfigError, match=message):
+            cfg.validate()
+
+
+def test_checkpoint_options_are_checked(saved, tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint_every needs a checkpoint_dir"):
+        RunConfig(checkpoint_every=2).validate()
+    with pytest.raises(ConfigError, match="checkpoint_every must be a whole number from 1 to"):
+        RunConfig(checkpoint_dir=str(tmp_path), checkpoint_every=0).validate()
+    with pytest.raises(ConfigError, match="already holds checkpoints .* --resume"):
+        RunConfig(strategy="ddp", world_size=2, checkpoint_dir=str(saved)).validate()
+    with pytest.raises(ConfigError, match="steps must be at most"):
+        RunConfig(steps=10**12).validate()
+
+
+def test_the_data_resume_where_they_stopped():
+    """Batches from position k (across an epoch's end) are the unbroken run's batches from k on."""
+    data = TokenDataset("gpt-tiny", "synthetic", 24, 8, 64, 0)
+    loader, sampler = make_loader(data, 4, 1, 2, 0)
+    whole = list(batches(loader, sampler, 3, 8))
+    for start in (0, 2, 3, 5):
+        loader, sampler = make_loader(data, 4, 1, 2, 0)
+        rest = list(batches(loader, sampler, 3, 8, start=start))
+        assert len(rest) == 8 - start
+        assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(rest, whole[start:]))
+
+
+def test_the_local_names_of_a_layout_load_only_under_it(tmp_path):
+    """tp-scratch's slices are its ranks' own: another layout is told why, before any process starts."""
+    cfg = RunConfig(strategy="tp-scratch", world_size=2, checkpoint_dir=str(tmp_path / "ck"), **{**BASE, "steps": 1})
+    launch(cfg, progress=False)
+    with pytest.raises(ConfigError, match="only that layout reads; resume with --strategy tp-scratch"):
+        RunConfig(strategy="ddp", world_size=2, resume=cfg.checkpoint_dir, **BASE).validate()
+    assert os.path.isdir(checkpoint.step_dir(cfg.checkpoint_dir, 1))
