@@ -293,6 +293,31 @@ def test_matches_one_device(case):
         assert len(result["loss"]) == STEPS and result["reference_loss"][-1] < result["reference_loss"][0], result
 
 
+# -- checkpoints on the device ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy, n, background", [("single", 1, False), ("single", 1, True), ("fsdp", 1, True),
+                                                     ("fsdp", 2, True), ("fsdp", 4, False)])
+def test_resume_is_exact(strategy, n, background, tmp_path):
+    """Three steps saving after the second (blocking, or staged to host memory and written in the background),
+    then again from that checkpoint: the same weights bit for bit (CUDA's generators are in the checkpoint)."""
+    _needs(n, f"{strategy} resumed")
+    with recorded(f"resume {strategy}{' async' if background else ''}", world_size=n, device=DEVICE) as row:
+        base = RunConfig(strategy=strategy, world_size=n, steps=3, device=DEVICE, dataset_size=24,
+                         **{**TINY, "optimizer": "adamw", "lr": 0.01})
+        unbroken = launch(base.replace(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2,
+                                       checkpoint_async=background), params_path=tmp_path / "a.pt", progress=False)
+        _note(unbroken)
+        resumed = launch(base.replace(resume=str(tmp_path / "ck" / "step-00000002")), params_path=tmp_path / "b.pt",
+                         progress=False)
+        a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+        differ = [k for k in a if not torch.equal(a[k], b[k])]
+        save = unbroken["checkpoint"]["saves"][0][0]
+        row["detail"] = (f"{save['bytes_total'] / 2**20:.2f} MiB written, blocked {save['blocking_s'] * 1e3:.0f} of "
+                         f"{save['total_s'] * 1e3:.0f} ms; {len(differ)} tensors differ")
+        assert resumed["loss"] == unbroken["loss"] and not differ, differ
+
+
 # -- the estimator against the CUDA allocator ------------------------------------------------
 
 @pytest.mark.parametrize("strategy", ["single", "ddp", "zero2", "fsdp", "ep-scratch"])

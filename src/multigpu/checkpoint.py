@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -176,10 +177,12 @@ def rank_state(par, rank: int) -> tuple[dict, dict]:
     if names_of(par) == "local":  # the module's tensors (but those a ZeRO-3 frees between steps), and the
         # optimizer's own parameters (the from-scratch ZeRO's flat shards) and their state, by position
         optim = optimizer.state_dict()
+        model = {k: _local(v) for k, v in module.state_dict().items() if _local(v).untyped_storage().size()}
+        held = {t.data_ptr() for t in model.values()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
         state = {f"rank{rank}": {
-            "model": {k: _local(v) for k, v in module.state_dict().items() if _local(v).untyped_storage().size()},
-            "params": {str(i): _local(p.data) for i, p in enumerate(params)},
+            "model": model,  # the optimizer's parameters that are not the module's own tensors (saved once)
+            "params": {str(i): _local(p.data) for i, p in enumerate(params) if _local(p.data).data_ptr() not in held},
             "optimizer": {str(i): {k: _local(v) for k, v in s.items()} for i, s in optim["state"].items()}}}
         return state, {"local": True}
     model_sd, optim_sd = get_state_dict(module, optimizer)
@@ -288,7 +291,8 @@ class Checkpointer:
         # the checkpoint's own gloo group: its collectives may run on a background thread (async), beside the
         # training's, and DCP exchanges its plans as Python objects, which gloo carries on any device
         self.group = dist.new_group(backend="gloo")
-        self.pending: tuple | None = None  # (step, folder, future, start, blocking_s) of a save in flight
+        self.buffers: dict[str, torch.Tensor] = {}  # async: the host copies of the state, made once, reused
+        self.pending: tuple | None = None  # (step, folder, future, start, staging_s) of a save in flight
         self.saves: list[dict] = []  # what each save cost: for the record
 
     def due(self, steps_done: int) -> bool:
@@ -311,7 +315,8 @@ class Checkpointer:
             self.par.module.save_checkpoint(str(folder), tag="engine")  # the engine's own, every rank
         state["train"] = train_state(self.rt.rank, steps_done, losses, self.par.scaler, self.rt.device)
         if self.cfg.checkpoint_async:
-            future = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+            future = dcp.async_save(self._staged(state), checkpoint_id=folder, process_group=self.group,
+                                    async_stager=_AlreadyStaged())
             self.pending = (steps_done, folder, future, start, time.perf_counter() - start)
         else:
             dcp.save(state, checkpoint_id=folder, process_group=self.group)
@@ -322,11 +327,12 @@ class Checkpointer:
         """Finish the save in flight: wait for its files, then describe it and rename it into place."""
         if self.pending is None:
             return
-        steps_done, folder, future, start, blocking_s = self.pending
+        steps_done, folder, future, start, staging_s = self.pending
         self.pending = None
         waited = time.perf_counter()
         if future is not None:
             future.result()
+        waited_s = time.perf_counter() - waited  # training stood still for the write it had not finished
         self.fault("written", steps_done)
         dist.barrier(group=self.group)  # every rank's files are written
         final = step_dir(self.root, steps_done)
@@ -358,9 +364,58 @@ class Checkpointer:
         for name, size in files.items():
             if (r := _rank_of(Path(name).name)) is not None and r < len(by_rank):
                 by_rank[r] += size
+        # blocking: the time training stood still for this save (async: the copy to host memory, the wait for a
+        # write not yet finished at the next save, and the rename); total: from its start to its rename
         self.saves.append({"steps_done": steps_done, "async": future is not None,
-                           "blocking_s": (now - start) if future is None else blocking_s + (now - waited),
+                           "blocking_s": (now - start) if future is None else staging_s + (now - waited),
+                           "staging_s": staging_s, "waited_s": waited_s if future is not None else None,
                            "total_s": now - start, "bytes_total": sum(files.values()), "bytes_by_rank": by_rank})
+
+    def _staged(self, state: dict, prefix: str = "") -> dict:
+        """A private host copy of `state` for the background write, while training changes the original:
+        every tensor copied into a host buffer made at the first save and reused at every later one (on a
+        GPU page-locked, so that the copy runs at the link's speed); a DTensor keeps its mesh and placement
+        around its copy, so that the checkpoint still says where each piece lies in the whole tensor."""
+        out = {}
+        for key, value in state.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                out[key] = self._staged(value, name + ".")
+                continue
+            if not isinstance(value, torch.Tensor):
+                out[key] = value
+                continue
+            local = _local(value)
+            buffer = self.buffers.get(name)
+            if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+                buffer = self.buffers[name] = torch.empty(local.shape, dtype=local.dtype, device="cpu",
+                                                          pin_memory=local.is_cuda)
+            buffer.copy_(local.detach(), non_blocking=local.is_cuda)
+            out[key] = buffer if not isinstance(value, DTensor) else DTensor.from_local(
+                buffer, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+        if not prefix and self.rt.device.type == "cuda":
+            torch.cuda.synchronize(self.rt.device)  # every copy landed before the writer reads the buffers
+        return out
+
+    def close(self) -> None:
+        """Finish the last save; free the host buffers."""
+        self.finish()
+        self.buffers.clear()
+
+
+class _AlreadyStaged(AsyncStager):
+    """For dcp.async_save: the state handed over is already a private host copy (`Checkpointer._staged`)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 # -- loading ---------------------------------------------------------------------------------------------

@@ -296,12 +296,12 @@ def _check_checkpointing(cfg: RunConfig) -> None:
     if cfg.steps > MAX_STEPS:
         raise ConfigError(f"steps must be at most {MAX_STEPS}, got {cfg.steps}")
     if cfg.resume is not None:  # before any process starts: the checkpoint is there, whole, and fits this run
-        from multigpu.checkpoint import compatibility_problems, read_meta, resolve
+        from multigpu.checkpoint import CheckpointError, compatibility_problems, read_meta, resolve
 
         path = resolve(cfg.resume)
         problems = compatibility_problems(read_meta(path), cfg)
         if problems:
-            raise ConfigError(f"cannot continue from {path}: " + "; ".join(problems))
+            raise CheckpointError(f"cannot continue from {path}: " + "; ".join(problems))
     if cfg.checkpoint_dir is None:
         for name in ("checkpoint_every", "checkpoint_async"):
             if getattr(cfg, name):

@@ -82,3 +82,25 @@ DEEPSEEK_V3 = PublishedMoE(
 # parallelism over 8 nodes, ZeRO-1 data parallelism, each token sent to at most 4 nodes
 DEEPSEEK_V3_TRAINING = {"gpus": 2048, "gpu": "H800", "pp": 16, "ep": 64, "ep_nodes": 8, "dp_sharding": "ZeRO-1",
                         "nodes_per_token": 4}
+
+
+@dataclass(frozen=True)
+class Interruptions:
+    """A published count of a training run's interruptions: how often a job on many GPUs stops."""
+
+    run: str
+    gpus: int
+    days: float
+    interruptions: int  # all of them, planned (maintenance) and unexpected (failures)
+    unexpected: int
+    checkpoint_per_gpu_bytes: tuple[float, float]  # the smallest and largest state a GPU saves
+    effective_training_time: float  # the share of the time that trained, at least
+    source: str
+
+
+# Llama 3 405B's pretraining: a 54-day snapshot on up to 16K H100s (the paper's section 3.3.4 and Table 5)
+LLAMA3_405B_INTERRUPTIONS = Interruptions(
+    "Llama 3 405B pretraining", 16384, 54, 466, 419, (1e6, 4e9), 0.90,
+    "Llama Team, AI @ Meta 2024, The Llama 3 Herd of Models, arXiv:2407.21783, section 3.3.4 (\"During a 54-day "
+    "snapshot period of pre-training, we experienced a total of 466 job interruptions ... 419 were unexpected\"; "
+    "checkpoints \"ranging from 1 MB to 4 GB per GPU\"; \"higher than 90% effective training time\")")

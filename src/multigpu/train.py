@@ -116,7 +116,7 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
     if saver and steps_done == cfg.steps:  # nothing to train: the checkpoint saved again under this layout
         saver.save(steps_done, losses)
     if saver:
-        saver.finish()  # an asynchronous save still in flight
+        saver.close()  # an asynchronous save still in flight
 
     return {
         "rank": rt.rank,

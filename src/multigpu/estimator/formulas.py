@@ -359,3 +359,16 @@ def dropped_share_uniform(capacity_factor: float, tokens: int, top_k: int, exper
 
     over = sum(pmf(x) * (x - limit) for x in range(limit + 1, n + 1))
     return experts * over / (tokens * top_k)
+
+
+def checkpoint_state_bytes(parameters: int, states_per_parameter: int, value_bytes: int = 4) -> int:
+    """A checkpoint's tensors: every weight and the optimizer's `states_per_parameter` values for each
+    (AdamW 2, SGD with momentum 1, SGD 0), at `value_bytes` each (fp32: 4). The step counts, the generators
+    and the index add a little; a tensor saved under two names (a tied weight) counts twice."""
+    return parameters * (1 + states_per_parameter) * value_bytes
+
+
+def young_interval_s(save_s: float, mean_time_between_failures_s: float) -> float:
+    """Young's first-order optimum interval between checkpoints, sqrt(2 x save time x mean time between
+    failures) (Young 1974): shorter wastes time saving, longer loses more work per failure."""
+    return math.sqrt(2 * save_s * mean_time_between_failures_s)

@@ -20,6 +20,7 @@ import time
 import torch
 
 from multigpu import records
+from multigpu.experiments.checkpoints import checkpoint_bytes, checkpoint_cost
 from multigpu.experiments.collectives import async_staleness, collectives_bandwidth, link_model
 from multigpu.experiments.compositions import compositions
 from multigpu.experiments.context_parallel import cp_balance, cp_longest, cp_memory, cp_timeline, cp_variants
@@ -75,6 +76,8 @@ EXPERIMENTS = {
     "moe_balance": moe_balance,
     "moe_capacity": moe_capacity,
     "moe_ep": moe_ep,
+    "checkpoint_bytes": checkpoint_bytes,
+    "checkpoint_cost": checkpoint_cost,
 }
 
 

@@ -7,13 +7,14 @@ whose footer names the machine, backend, devices and date that produced them.
   strategies) and the frame every figure is drawn in;
 - one module per chapter group: `one_device`, `data_parallel` (DDP and DataParallel),
   `collectives`, `sharding` (ZeRO and FSDP), `model_parallel` (TP, PP and all together),
-  `context_parallel`, `experts` (mixtures of experts) and `estimates` (Choosing);
+  `context_parallel`, `experts` (mixtures of experts), `checkpoints` and `estimates` (Choosing);
 - `values`: the exact values under each figure, which a chapter shows by calling
   `show_values_in_notebooks()` in its first cell.
 
 The chapters call every figure from here: `from multigpu import plots; plots.scaling(runs)`.
 """
 
+from multigpu.plots.checkpoints import checkpoint_bytes_by_rank, save_cost
 from multigpu.plots.collectives import bytes_per_rank, collective_bandwidth, collective_grid, staleness
 from multigpu.plots.context_parallel import activations_by_sequence
 from multigpu.plots.data_parallel import (
@@ -42,9 +43,9 @@ from multigpu.plots.style import COLORS, PALETTE, STRATEGY_COLORS  # not style()
 from multigpu.plots.values import figure_values, figure_values_html, show_values_in_notebooks
 
 __all__ = ["COLORS", "DP_PHASES", "PALETTE", "STRATEGY_COLORS", "activations_by_sequence", "animation_html",
-           "beside", "bubble_vs_formula", "buckets", "busiest_expert", "bytes_per_rank", "collective_bandwidth",
-           "collective_grid", "comm_by_strategy", "comm_vs_rule", "dp_memory", "dp_phases", "dp_threads",
-           "dropped_vs_capacity", "estimate_bars", "figure_values", "figure_values_html", "load_histogram",
-           "loss_curves", "max_batch", "memory_growth", "memory_stacked", "model_states_vs_formula",
-           "pipeline_timeline", "predicted_vs_measured", "rank_grid", "scaling", "show_values_in_notebooks",
-           "staleness", "tp_speedup_by_width", "zero_stages", "zero_timeline"]
+           "beside", "bubble_vs_formula", "buckets", "busiest_expert", "bytes_per_rank", "checkpoint_bytes_by_rank",
+           "collective_bandwidth", "collective_grid", "comm_by_strategy", "comm_vs_rule", "dp_memory", "dp_phases",
+           "dp_threads", "dropped_vs_capacity", "estimate_bars", "figure_values", "figure_values_html",
+           "load_histogram", "loss_curves", "max_batch", "memory_growth", "memory_stacked",
+           "model_states_vs_formula", "pipeline_timeline", "predicted_vs_measured", "rank_grid", "save_cost",
+           "scaling", "show_values_in_notebooks", "staleness", "tp_speedup_by_width", "zero_stages", "zero_timeline"]
