@@ -84,11 +84,12 @@ def test_single_on_two_processes():
     assert "use world_size=1 or a parallel strategy such as 'ddp'" in message
 
 
-@pytest.mark.parametrize("fault", ["boom", "raise@1", "raise@a:1", "explode@1:1", "raise@1:2:3", "kill@@1:1"])
+@pytest.mark.parametrize("fault", ["boom", "raise@1", "raise@a:1", "explode@1:1", "raise@1:2:3", "kill@@1:1",
+                                   "kill@1:2:later"])
 def test_bad_fault_string(fault):
     message = refused(strategy="ddp", world_size=2, fault=fault)
     assert repr(fault) in message
-    assert "'raise@RANK:STEP' or 'kill@RANK:STEP'" in message
+    assert "'raise@RANK:STEP', 'kill@RANK:STEP' or 'kill@RANK:STEP:STAGE'" in message
 
 
 def test_fault_on_a_rank_that_does_not_exist():

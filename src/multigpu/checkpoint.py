@@ -39,12 +39,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from multigpu.errors import ConfigError
+from multigpu.strategies.state import (
+    checkpoint_names,
+    checkpoint_state,
+    checkpoint_targets,
+    local_tensor,
+    put_back_checkpoint_state,
+)
 
 FORMAT = 1
 META = "meta.json"
@@ -55,7 +60,6 @@ SAVE_STAGES = ("start", "written", "described", "renamed")
 # what must match between the run that saved and the run that loads: the same model, trained on the same
 # data in the same order, by the same optimizer (the layout may differ where the names are canonical)
 SAME_RUN = ("model", "optimizer", "global_batch_size", "seq_len", "dataset", "num_samples", "seed")
-_QKV = re.compile(r"(.*\.qkv)\.([qkv])\.(weight|bias)$")  # the library TP's attention (tp_plan.QKV)
 
 
 class CheckpointError(ConfigError):
@@ -87,153 +91,6 @@ def resolve(path: str | Path) -> Path:
                                                     "saves cut short)" if partial else "")
             + "; give a folder a run wrote with --checkpoint-dir, or one of its step-N folders")
     return found[-1]
-
-
-def names_of(par) -> str:
-    return getattr(par, "checkpoint_names", "canonical")
-
-
-# -- the state dict a rank saves, and the one it loads into ---------------------------------------------
-
-
-def _module_optimizer(par) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """What holds the weights and the optimizer whose state is this rank's (ZeroRedundancyOptimizer: the
-    optimizer over its own partition)."""
-    optimizer = par.optimizer
-    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-        optimizer = optimizer.optim
-    # FSDP1's flat parameters are the model's weights only seen through its wrapper
-    module = par.module if type(par.module).__name__ == "FullyShardedDataParallel" else par.model
-    return module, optimizer
-
-
-def _canonical_name(module: nn.Module, name: str) -> str:
-    """A pipeline rank keeps its stages in an nn.ModuleList: `0.blocks.3.x` (or `0.piece.blocks.3.x`, the
-    library's stage around its piece) is `blocks.3.x`."""
-    return re.sub(r"^\d+\.(piece\.)?", "", name) if isinstance(module, nn.ModuleList) else name
-
-
-def _whole(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _canonical(module: nn.Module, model_sd: dict, optim_state: dict) -> tuple[dict, dict, dict]:
-    """(model, optimizer state) under the single-device names, and the live tensors each fused name stands
-    for. The library TP holds attention's [q | k | v] projection as three layers: saved, they become the one
-    tensor the model has (gathered whole: every rank holds the same, written once)."""
-    model, optim, fused = {}, {}, {}
-    for name, value in model_sd.items():
-        name = _canonical_name(module, name)
-        if m := _QKV.fullmatch(name):
-            fused.setdefault(f"{m[1]}.{m[3]}", {})[m[2]] = name
-        else:
-            model[name] = value
-    for name, state in optim_state.items():
-        name = _canonical_name(module, name)
-        if not _QKV.fullmatch(name):
-            optim[name] = state
-    # a tied weight (GPT-2's embedding and head) is one tensor under two names, whose state the optimizer
-    # keeps under one of them; a pipeline holds it twice (first and last stage), each copy with its state
-    # under its own name: saved under both, every layout finds the one it needs
-    names_of_tensor: dict[tuple, list[str]] = {}
-    for name, value in model.items():
-        local = _local(value)
-        names_of_tensor.setdefault((local.data_ptr(), local.shape, local.stride()), []).append(name)
-    for names in names_of_tensor.values():
-        if (held := [n for n in names if n in optim]) and len(names) > 1:
-            for n in names:
-                optim.setdefault(n, optim[held[0]])
-    for whole_name, parts in fused.items():
-        live = {p: [k for k in model_sd if _canonical_name(module, k) == parts[p]][0] for p in "qkv"}
-        model[whole_name] = torch.cat([_whole(model_sd[live[p]]) for p in "qkv"])
-        states = [optim_state.get(live[p]) for p in "qkv"]
-        if states[0] is not None:
-            optim[whole_name] = {k: (torch.cat([_whole(s[k]) for s in states]) if states[0][k].dim() else states[0][k])
-                                 for k in states[0]}
-        fused[whole_name] = live
-    return model, optim, fused
-
-
-def _cut_fused(whole: torch.Tensor, parts: list) -> None:
-    """Put a loaded fused tensor's thirds back into the live q, k, v tensors (DTensors: each rank its rows)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    for third, live in zip(whole.chunk(3), parts):
-        if isinstance(live, DTensor):
-            shape, offset = compute_local_shape_and_global_offset(third.shape, live.device_mesh, live.placements)
-            piece = third[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-            live.to_local().copy_(piece)
-        else:
-            live.copy_(third)
-
-
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def rank_state(par, rank: int) -> tuple[dict, dict]:
-    """(what this rank saves, how to put a loaded copy of it back): the weights and optimizer state."""
-    module, optimizer = _module_optimizer(par)
-    if names_of(par) == "local":  # the module's tensors (but those a ZeRO-3 frees between steps), and the
-        # optimizer's own parameters (the from-scratch ZeRO's flat shards) and their state, by position
-        optim = optimizer.state_dict()
-        model = {k: _local(v) for k, v in module.state_dict().items() if _local(v).untyped_storage().size()}
-        held = {t.data_ptr() for t in model.values()}
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        state = {f"rank{rank}": {
-            "model": model,  # the optimizer's parameters that are not the module's own tensors (saved once)
-            "params": {str(i): _local(p.data) for i, p in enumerate(params) if _local(p.data).data_ptr() not in held},
-            "optimizer": {str(i): {k: _local(v) for k, v in s.items()} for i, s in optim["state"].items()}}}
-        return state, {"local": True}
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    model, optim, fused = _canonical(module, model_sd, optim_sd["state"])
-    return {"model": model, "optimizer": optim}, {"model_sd": model_sd, "optim_sd": optim_sd, "fused": fused}
-
-
-def _put_back(par, state: dict, how: dict) -> None:
-    """After dcp.load wrote into `state`: make the module and optimizer hold it."""
-    if how.get("local"):
-        return  # loaded in place: the tensors are the live ones (or views of them)
-    module, optimizer = _module_optimizer(par)
-    model_sd, optim_sd = how["model_sd"], how["optim_sd"]
-    for whole_name, live in how["fused"].items():
-        _cut_fused(state["model"][whole_name], [model_sd[live[p]] for p in "qkv"])
-        if whole_name in state["optimizer"]:
-            for k, value in state["optimizer"][whole_name].items():
-                if value.dim():
-                    _cut_fused(value, [optim_sd["state"][live[p]][k] for p in "qkv"])
-                else:
-                    for p in "qkv":
-                        optim_sd["state"][live[p]][k].copy_(value)
-    set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-
-
-def _make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter the optimizer's state (zeros) as its first step would, for dcp.load to fill:
-    torch's own helper steps once with zero gradients and a learning rate of 0, which changes no weight.
-    It does nothing where a gradient exists (the from-scratch ZeRO keeps its shards' gradient tensors
-    attached for good): those are set aside meanwhile and put back."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    _init_optim_state(optimizer)
-    for p, grad in zip(params, grads):
-        p.grad = grad
-
-
-def _targets(par, rank: int) -> tuple[dict, dict]:
-    """The state dict dcp.load fills: this rank's live tensors under the saved names (the optimizer's
-    state made first, as its first step would make it, so that there is something to load into)."""
-    _, optimizer = _module_optimizer(par)
-    _make_optimizer_state(optimizer)
-    state, how = rank_state(par, rank)
-    if not how.get("local"):  # fused tensors are gathered copies: load into fresh ones, cut back after
-        for whole_name in how["fused"]:
-            state["model"][whole_name] = torch.empty_like(state["model"][whole_name])
-            for k, v in state["optimizer"].get(whole_name, {}).items():
-                state["optimizer"][whole_name][k] = torch.empty_like(v)
-    return state, how
 
 
 def train_state(rank: int, steps_done: int, losses: list[float], scaler, device: torch.device) -> dict:
@@ -309,8 +166,8 @@ class Checkpointer:
             folder.mkdir(parents=True)
         dist.barrier(group=self.group)
         self.fault("start", steps_done)
-        names = names_of(self.par)
-        state = {} if names == "deepspeed" else rank_state(self.par, self.rt.rank)[0]
+        names = checkpoint_names(self.par)
+        state = {} if names == "deepspeed" else checkpoint_state(self.par, self.rt.rank)[0]
         if names == "deepspeed":
             self.par.module.save_checkpoint(str(folder), tag="engine")  # the engine's own, every rank
         state["train"] = train_state(self.rt.rank, steps_done, losses, self.par.scaler, self.rt.device)
@@ -338,7 +195,7 @@ class Checkpointer:
         final = step_dir(self.root, steps_done)
         files = files_of(folder)
         if self.rt.rank == 0:
-            meta = {"format": FORMAT, "steps_done": steps_done, "names": names_of(self.par),
+            meta = {"format": FORMAT, "steps_done": steps_done, "names": checkpoint_names(self.par),
                     "config": self.cfg.to_dict(), "grid": self.cfg.grid.as_dict(), "world_size": self.rt.world_size,
                     "same_run": {k: getattr(self.cfg, k) for k in SAME_RUN},
                     "files": files, "saved_unix": time.time()}
@@ -385,13 +242,13 @@ class Checkpointer:
             if not isinstance(value, torch.Tensor):
                 out[key] = value
                 continue
-            local = _local(value)
+            local = local_tensor(value)
             buffer = self.buffers.get(name)
             if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
                 buffer = self.buffers[name] = torch.empty(local.shape, dtype=local.dtype, device="cpu",
                                                           pin_memory=local.is_cuda)
             buffer.copy_(local.detach(), non_blocking=local.is_cuda)
-            out[key] = buffer if not isinstance(value, DTensor) else DTensor.from_local(
+            out[key] = buffer if not isinstance(value, DTensor) else DTensor.fromlocal_tensor(
                 buffer, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
         if not prefix and self.rt.device.type == "cuda":
             torch.cuda.synchronize(self.rt.device)  # every copy landed before the writer reads the buffers
@@ -477,8 +334,8 @@ def load(path: str | Path, par, cfg, rt) -> dict:
     if problems:
         raise CheckpointError(f"cannot continue from {path}: " + "; ".join(problems))
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    names = names_of(par)
-    state, how = ({}, {}) if names == "deepspeed" else _targets(par, rt.rank)
+    names = checkpoint_names(par)
+    state, how = ({}, {}) if names == "deepspeed" else checkpoint_targets(par, rt.rank)
     if names == "local" and meta["names"] != "local":
         raise CheckpointError(f"cannot continue from {path}: {cfg.strategy} saves and loads its own pieces, and "
                               f"this checkpoint is {meta['names']}")
@@ -502,7 +359,7 @@ def load(path: str | Path, par, cfg, rt) -> dict:
         raise CheckpointError(f"could not read checkpoint {path}: {type(err).__name__}: "
                               f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
     if names != "deepspeed":
-        _put_back(par, state, how)
+        put_back_checkpoint_state(par, state, how)
     train = state["train"]
     for key, value in train.items():
         if key.startswith("rng_rank"):

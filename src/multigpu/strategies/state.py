@@ -16,13 +16,23 @@ cut model are put back together here:
   weights are DTensors).
 
 Every function here is collective: every rank of the group (or the tensors' mesh) calls it.
+
+The same tensors are what a checkpoint saves (multigpu.checkpoint), named so that another layout can
+find them: `checkpoint_state` gives this rank's weights and optimizer state under the single-device
+names ("canonical": whole tensors, or DTensors that say where their piece lies; the library TP's three
+q, k, v layers fused again, a tied weight's state under both its names), or, for a strategy that cuts
+tensors its own way into plain tensors, under this rank's own keys ("local"); `checkpoint_targets` the
+live tensors a load writes into, and `put_back_checkpoint_state` what is left to do after it.
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from multigpu.strategies.tp_regions import all_gather
@@ -100,3 +110,154 @@ def pipeline_state_dict(pieces: list[nn.Module], grid) -> dict[str, torch.Tensor
     if pieces[0].cfg.tie_embeddings and "wte.weight" in state:
         state.setdefault("lm_head.weight", state["wte.weight"])
     return state
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+
+_QKV = re.compile(r"(.*\.qkv)\.([qkv])\.(weight|bias)$")  # the library TP's attention (tp_plan.QKV)
+
+
+def checkpoint_names(par) -> str:
+    return getattr(par, "checkpoint_names", "canonical")
+
+
+def _module_optimizer(par) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """What holds the weights and the optimizer whose state is this rank's (ZeroRedundancyOptimizer: the
+    optimizer over its own partition)."""
+    optimizer = par.optimizer
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        optimizer = optimizer.optim
+    # FSDP1's flat parameters are the model's weights only seen through its wrapper
+    module = par.module if type(par.module).__name__ == "FullyShardedDataParallel" else par.model
+    return module, optimizer
+
+
+def _canonical_name(module: nn.Module, name: str) -> str:
+    """A pipeline rank keeps its stages in an nn.ModuleList: `0.blocks.3.x` (or `0.piece.blocks.3.x`, the
+    library's stage around its piece) is `blocks.3.x`."""
+    return re.sub(r"^\d+\.(piece\.)?", "", name) if isinstance(module, nn.ModuleList) else name
+
+
+def _whole_tensor(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _canonical(module: nn.Module, model_sd: dict, optim_state: dict) -> tuple[dict, dict, dict]:
+    """(model, optimizer state) under the single-device names, and the live tensors each fused name stands
+    for. The library TP holds attention's [q | k | v] projection as three layers: saved, they become the one
+    tensor the model has (gathered whole: every rank holds the same, written once)."""
+    model, optim, fused = {}, {}, {}
+    for name, value in model_sd.items():
+        name = _canonical_name(module, name)
+        if m := _QKV.fullmatch(name):
+            fused.setdefault(f"{m[1]}.{m[3]}", {})[m[2]] = name
+        else:
+            model[name] = value
+    for name, state in optim_state.items():
+        name = _canonical_name(module, name)
+        if not _QKV.fullmatch(name):
+            optim[name] = state
+    # a tied weight (GPT-2's embedding and head) is one tensor under two names, whose state the optimizer
+    # keeps under one of them; a pipeline holds it twice (first and last stage), each copy with its state
+    # under its own name: saved under both, every layout finds the one it needs
+    checkpoint_names_tensor: dict[tuple, list[str]] = {}
+    for name, value in model.items():
+        local = local_tensor(value)
+        checkpoint_names_tensor.setdefault((local.data_ptr(), local.shape, local.stride()), []).append(name)
+    for names in checkpoint_names_tensor.values():
+        if (held := [n for n in names if n in optim]) and len(names) > 1:
+            for n in names:
+                optim.setdefault(n, optim[held[0]])
+    for whole_name, parts in fused.items():
+        live = {p: [k for k in model_sd if _canonical_name(module, k) == parts[p]][0] for p in "qkv"}
+        model[whole_name] = torch.cat([_whole_tensor(model_sd[live[p]]) for p in "qkv"])
+        states = [optim_state.get(live[p]) for p in "qkv"]
+        if states[0] is not None:
+            optim[whole_name] = {k: torch.cat([_whole_tensor(s[k]) for s in states]) if states[0][k].dim()
+                                 else states[0][k] for k in states[0]}
+        fused[whole_name] = live
+    return model, optim, fused
+
+
+def _cut_fused(whole: torch.Tensor, parts: list) -> None:
+    """Put a loaded fused tensor's thirds back into the live q, k, v tensors (DTensors: each rank its rows)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for third, live in zip(whole.chunk(3), parts):
+        if isinstance(live, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(third.shape, live.device_mesh, live.placements)
+            piece = third[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+            live.to_local().copy_(piece)
+        else:
+            live.copy_(third)
+
+
+def local_tensor(t):
+    """This rank's piece of a DTensor (a view: writing into it writes the DTensor); any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def checkpoint_state(par, rank: int) -> tuple[dict, dict]:
+    """(what this rank saves, how to put a loaded copy of it back): the weights and optimizer state."""
+    module, optimizer = _module_optimizer(par)
+    if checkpoint_names(par) == "local":  # the module's tensors (but those a ZeRO-3 frees between steps), and the
+        # optimizer's own parameters (the from-scratch ZeRO's flat shards) and their state, by position
+        optim = optimizer.state_dict()
+        model = {k: local_tensor(v) for k, v in module.state_dict().items() if local_tensor(v).untyped_storage().size()}
+        held = {t.data_ptr() for t in model.values()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {f"rank{rank}": {
+            "model": model,  # the optimizer's parameters that are not the module's own tensors (saved once)
+            "params": {str(i): local_tensor(p.data) for i, p in enumerate(params)
+                       if local_tensor(p.data).data_ptr() not in held},
+            "optimizer": {str(i): {k: local_tensor(v) for k, v in s.items()} for i, s in optim["state"].items()}}}
+        return state, {"local": True}
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    model, optim, fused = _canonical(module, model_sd, optim_sd["state"])
+    return {"model": model, "optimizer": optim}, {"model_sd": model_sd, "optim_sd": optim_sd, "fused": fused}
+
+
+def put_back_checkpoint_state(par, state: dict, how: dict) -> None:
+    """After dcp.load wrote into `state`: make the module and optimizer hold it."""
+    if how.get("local"):
+        return  # loaded in place: the tensors are the live ones (or views of them)
+    module, optimizer = _module_optimizer(par)
+    model_sd, optim_sd = how["model_sd"], how["optim_sd"]
+    for whole_name, live in how["fused"].items():
+        _cut_fused(state["model"][whole_name], [model_sd[live[p]] for p in "qkv"])
+        if whole_name in state["optimizer"]:
+            for k, value in state["optimizer"][whole_name].items():
+                if value.dim():
+                    _cut_fused(value, [optim_sd["state"][live[p]][k] for p in "qkv"])
+                else:
+                    for p in "qkv":
+                        optim_sd["state"][live[p]][k].copy_(value)
+    set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def _make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter the optimizer's state (zeros) as its first step would, for dcp.load to fill:
+    torch's own helper steps once with zero gradients and a learning rate of 0, which changes no weight.
+    It does nothing where a gradient exists (the from-scratch ZeRO keeps its shards' gradient tensors
+    attached for good): those are set aside meanwhile and put back."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    _init_optim_state(optimizer)
+    for p, grad in zip(params, grads):
+        p.grad = grad
+
+
+def checkpoint_targets(par, rank: int) -> tuple[dict, dict]:
+    """The state dict dcp.load fills: this rank's live tensors under the saved names (the optimizer's
+    state made first, as its first step would make it, so that there is something to load into)."""
+    _, optimizer = _module_optimizer(par)
+    _make_optimizer_state(optimizer)
+    state, how = checkpoint_state(par, rank)
+    if not how.get("local"):  # fused tensors are gathered copies: load into fresh ones, cut back after
+        for whole_name in how["fused"]:
+            state["model"][whole_name] = torch.empty_like(state["model"][whole_name])
+            for k, v in state["optimizer"].get(whole_name, {}).items():
+                state["optimizer"][whole_name][k] = torch.empty_like(v)
+    return state, how
