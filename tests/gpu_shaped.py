@@ -145,13 +145,17 @@ def template(cfg: RunConfig, experiment: str | None, candidates: list[dict]) -> 
     """The committed CPU record closest to `cfg`: same strategy, then the same experiment,
     the fewest other settings changed (model and sizes aside), the nearest world size,
     per-rank batch and sequence length."""
-    sizes = {"model", "global_batch_size", "seq_len", "device", "threads_per_worker", "world_size"}
+    # sizes, and where and how often a run saves (a temporary folder's name; the steps between saves scale with
+    # the run): whether it saves at all is compared below
+    sizes = {"model", "global_batch_size", "seq_len", "device", "threads_per_worker", "world_size",
+             "checkpoint_dir", "checkpoint_every"}
     mine = {k: v for k, v in cfg.to_dict().items() if k not in sizes}
     seq = cfg.seq_len or default_seq_len(cfg.model)
 
     def distance(r):
         c = RunConfig.from_dict(r["config"])
-        changed = sum(r["config"].get(k) != v for k, v in mine.items())
+        changed = sum(r["config"].get(k) != v for k, v in mine.items()) + (
+            bool(r["config"].get("checkpoint_dir")) != bool(cfg.checkpoint_dir))
         return (r.get("experiment") != experiment, changed, abs(math.log(c.world_size / cfg.world_size)),
                 abs(math.log(c.per_rank_batch_size / cfg.per_rank_batch_size)), abs(math.log(r["seq_len"] / seq)))
 
@@ -277,6 +281,9 @@ def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dic
         "seq_len": seq,
         "parameters": _parameters(cfg.model),
         "moe": copy.deepcopy(cpu_record.get("moe")),  # a mixture of experts' routing, as the CPU run routed
+        # the CPU run's saves (what they wrote, what they cost), where the config saves
+        "checkpoint": {"saves": copy.deepcopy(cpu_record["checkpoint"]["saves"][r])
+                       if cfg.checkpoint_dir and "checkpoint" in cpu_record else [], "resumed": None},
     }
 
 

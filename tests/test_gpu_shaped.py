@@ -211,10 +211,11 @@ def test_gpu_records_are_shaped_like_the_gpu_path(gpu_results, server):
 
 
 RUN_SPMD = {"collectives_bandwidth", "link_model", "tp_width", "tp_collectives", "pp_bubble", "async_staleness",
-            "cp_balance", "cp_timeline", "cp_longest"}  # the CPU by design (cp_balance: the ring's blocks replayed
-# in one process; cp_longest: a CPU budget for gpt-long, whose positions fit any GPU)
+            "cp_balance", "cp_timeline", "cp_longest", "checkpoint_bytes"}  # the CPU by design (cp_balance: the
+# ring's blocks replayed in one process; cp_longest: a CPU budget for gpt-long, whose positions fit any GPU;
+# checkpoint_bytes: a layout's bytes, the same on any device)
 ONE_DEVICE = {"one_device_memory", "one_device_techniques", "machine_peak", "t5_largest_batch", "moe_balance",
-              "moe_capacity"}
+              "moe_capacity", "checkpoint_cost"}
 
 
 @pytest.mark.parametrize("server", SERVERS)

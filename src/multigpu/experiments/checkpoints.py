@@ -12,7 +12,7 @@ import shutil
 import tempfile
 
 from multigpu.config import RunConfig
-from multigpu.experiments.machine import Job, ddp_device, on_gpus
+from multigpu.experiments.machine import Job, on_gpus
 
 
 def _saved(cfg: RunConfig) -> list[dict]:
@@ -41,9 +41,9 @@ BYTES_STRATEGIES = (("single", 1, {}), ("ddp", 4, {}), ("zero1", 4, {}), ("zero3
 
 def checkpoint_bytes() -> list[Job]:
     """gpt-small (6 blocks, 3.3M parameters, AdamW) trained 2 steps by each strategy, saved after the last:
-    the bytes every rank wrote (on the CPU, 4 processes at most: a layout, not a speed)."""
+    the bytes every rank wrote (on the CPU on every machine, 4 processes: a layout, not a speed)."""
     base = RunConfig(model="gpt-small", global_batch_size=8, grad_accum_steps=2, optimizer="adamw", lr=1e-3,
-                     steps=2, track_memory=False, device=ddp_device(), checkpoint_dir="<temporary>")
+                     steps=2, track_memory=False, device="cpu", checkpoint_dir="<temporary>")
     return [_job(base.replace(strategy=s, world_size=n, **over),
                  f"bytes {s} x{n}" + "".join(f" {k}{v}" for k, v in over.items()))
             for s, n, over in BYTES_STRATEGIES]

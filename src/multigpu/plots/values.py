@@ -8,6 +8,7 @@ cell draws."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import matplotlib.pyplot as plt
@@ -24,6 +25,8 @@ def _plain(text: str) -> str:
 
 def _number(value) -> str:
     value = float(value)
+    if not math.isfinite(value):  # a bar or point with no measurement behind it
+        return str(value)
     return f"{value:,.0f}" if value == int(value) and abs(value) < 1e15 else f"{value:,.6g}"
 
 
