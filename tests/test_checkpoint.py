@@ -39,6 +39,7 @@ RESUMED = [
     ("pp-1f1b", 4, {"model": "gpt-mini", "dp": 2, "grad_accum_steps": 2}),
     ("fsdp", 4, {"model": "gpt-moe-tiny", "ep": 2}),
     ("zero1", 4, {}),
+    ("deepspeed-zero2", 2, {}),
 ]
 
 
@@ -220,3 +221,25 @@ def test_the_local_names_of_a_layout_load_only_under_it(tmp_path):
     with pytest.raises(ConfigError, match="only that layout reads; resume with --strategy tp-scratch"):
         RunConfig(strategy="ddp", world_size=2, resume=cfg.checkpoint_dir, **BASE).validate()
     assert os.path.isdir(checkpoint.step_dir(cfg.checkpoint_dir, 1))
+
+
+def test_an_exported_checkpoint_is_a_transformers_gpt2_computing_the_same_logits(saved, tmp_path):
+    """`python -m multigpu export` writes a folder GPT2LMHeadModel.from_pretrained reads, whose logits are the
+    package's GPT's with the checkpoint's weights."""
+    import subprocess
+    import sys
+
+    from transformers import GPT2LMHeadModel
+
+    from multigpu.models import build_model
+
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "multigpu", "export", str(saved), str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    theirs = GPT2LMHeadModel.from_pretrained(out).eval()
+    ours = build_model("gpt-tiny").eval()
+    ours.load_state_dict(checkpoint.whole_weights(saved)[0])
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(theirs(ids).logits, ours(input_ids=ids), atol=1e-5, rtol=1e-5)

@@ -172,9 +172,34 @@ def cmd_check(args) -> int:
     return 0 if result["passed"] else 1
 
 
-def cmd_figures(args) -> int:
-    from multigpu.experiments import ExperimentFailed, run_experiments
+def cmd_export(args) -> int:
+    """A checkpoint's weights as a Hugging Face model folder (config.json and model.safetensors), for a
+    reader who goes on with transformers: the package's GPT as GPT2LMHeadModel, a model transformers built
+    (a config.json's, a T5) as itself."""
+    from multigpu import checkpoint, hf
+    from multigpu.models import build_model
 
+    weights, meta = checkpoint.whole_weights(args.checkpoint)
+    model = build_model(meta["config"]["model"])
+    if not hasattr(model, "save_pretrained"):  # the package's GPT: into transformers' GPT-2
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = hf.gpt2_config(model.cfg)
+        model, weights = GPT2LMHeadModel(GPT2Config(**config)), hf.gpt2_state_dict(weights)
+    model.load_state_dict(weights, strict=True)
+    model.save_pretrained(args.out)
+    print(f"{meta['config']['model']} after {meta['steps_done']} steps -> {args.out} "
+          f"({type(model).__name__}: transformers' from_pretrained reads it)")
+    return 0
+
+
+def cmd_figures(args) -> int:
+    from multigpu.experiments import EXPERIMENTS, ExperimentFailed, run_experiments
+
+    if args.list:  # each experiment and the module (the chapter's) that makes its runs
+        for name, make in EXPERIMENTS.items():
+            print(f"{name:<24} {make.__module__.removeprefix('multigpu.experiments.')}")
+        return 0
     try:
         run_experiments(args.experiments)
     except ExperimentFailed as err:
@@ -222,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-memory-check", action="store_true",
                      help="start even if the estimator says the run does not fit in this machine's free memory")
     run.set_defaults(func=cmd_run)
+    exp = sub.add_parser("export", help="a checkpoint's weights as a Hugging Face model folder")
+    exp.add_argument("checkpoint", help="a step-N folder, or a --checkpoint-dir (its newest)")
+    exp.add_argument("out", help="the folder to write (config.json, model.safetensors)")
+    exp.set_defaults(func=cmd_export)
     chk = sub.add_parser("check", help="parity of a strategy with single-device training")
     _add_run_options(chk)
     chk.set_defaults(steps=3, optimizer="sgd-momentum", lr=0.05)
@@ -229,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     chk.set_defaults(func=cmd_check)
     add_estimator_commands(sub)  # estimate, advise: multigpu.estimator.cli
     fig = sub.add_parser("figures", help="run the experiments behind the book's figures")
-    fig.add_argument("--experiments", nargs="*", default=None, help="names (default: all)")
+    fig.add_argument("--experiments", nargs="*", default=None, help="names (default: all; --list names them)")
+    fig.add_argument("--list", action="store_true", help="list the experiments and exit")
     fig.set_defaults(func=cmd_figures)
     return parser
 

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -317,6 +318,21 @@ def compatibility_problems(meta: dict, cfg) -> list[str]:
                 f"names) only that layout reads; resume with --strategy {saved['strategy']} and the same degrees, "
                 "or save from a strategy whose checkpoints are canonical (fsdp, ddp, tp, pp, single)"]
     return []
+
+
+def whole_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A canonical checkpoint's weights, whole, read in this process (no process group: DCP's own
+    conversion to one torch.save file, which holds the optimizer's state too), and its meta.json."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = resolve(path)
+    meta = read_meta(path)
+    if meta["names"] != "canonical":
+        raise CheckpointError(f"{path} holds {meta['names']} pieces of {meta['config']['strategy']}'s layout, not "
+                              "the single-device names: load it with the same layout and save it from a canonical one")
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, Path(tmp, "whole.pt"))
+        return torch.load(Path(tmp, "whole.pt"), weights_only=False)["model"], meta
 
 
 def _flat_keys(state: dict, prefix: str = "") -> list[str]:

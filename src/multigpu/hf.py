@@ -148,3 +148,38 @@ def counted_on_meta(config: dict) -> dict[str, int]:
     named = dict(model.named_parameters())
     return {"parameters": sum(p.numel() for p in named.values()),
             "expert_parameters": sum(p.numel() for name, p in named.items() if ".experts." in name)}
+
+
+# -- leaving the package: the package's GPT as transformers' GPT-2 ----------------------------------------
+
+_GPT2_BLOCK = {"ln_1": "ln_1", "ln_2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
+               "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+_CONV1D = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}  # GPT-2's Conv1D holds its weight (in, out)
+
+
+def gpt2_config(cfg) -> dict:
+    """transformers' GPT2Config (as a dict) of the package's GPT with config `cfg` (models.GPTConfig): the same
+    sizes, exact GELU (the package's F.gelu; GPT-2's own is the tanh approximation, "gelu_new"), no dropout."""
+    if cfg.moe is not None:
+        raise ConfigError("a mixture of experts has no GPT-2 counterpart in transformers; export a dense GPT")
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+            "n_inner": cfg.d_ff, "activation_function": "gelu", "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": None,
+            "eos_token_id": None}
+
+
+def gpt2_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The package GPT's weights under GPT2LMHeadModel's names (`blocks.3.attn.qkv.weight` ->
+    `transformer.h.3.attn.c_attn.weight`, transposed: GPT-2's Conv1D multiplies x @ W)."""
+    out = {}
+    for name, value in state.items():
+        if name == "lm_head.weight" or not name.startswith("blocks."):
+            out[name if name == "lm_head.weight" else f"transformer.{name}"] = value
+            continue
+        _, i, rest = name.split(".", 2)
+        module, _, leaf = rest.rpartition(".")
+        hf = _GPT2_BLOCK[module]
+        out[f"transformer.h.{i}.{hf}.{leaf}"] = value.t().contiguous() if hf in _CONV1D and leaf == "weight" else value
+    return out
+

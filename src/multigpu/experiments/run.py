@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from difflib import get_close_matches
 
 import torch
 
@@ -171,8 +172,10 @@ def run_experiments(names: list[str] | None = None) -> None:
     names = names or list(EXPERIMENTS)
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
-        raise ValueError(f"unknown experiment(s) {', '.join(map(repr, unknown))}; choose from: "
-                         f"{', '.join(EXPERIMENTS)}")
+        close = [f"{name!r} (did you mean {' or '.join(found)}?)" if (found := get_close_matches(name, EXPERIMENTS, 2))
+                 else repr(name) for name in unknown]
+        raise ValueError(f"unknown experiment(s) {', '.join(close)}; `python -m multigpu figures --list` names "
+                         f"all {len(EXPERIMENTS)}")
     check_results_dir(records.RESULTS_DIR)
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if on_gpus() else []
     print(f"multigpu figures: {len(names)} experiment(s) on {records.machine_tag()}: {records.cpu_name()}, "
