@@ -112,8 +112,15 @@ def test_good_fault_string_is_parsed():
         (dict(seq_len=1), "seq_len must be a whole number >= 2, got 1"),
         (dict(steps=0), "steps must be a whole number >= 1, got 0"),
         (dict(grad_accum_steps=0), "grad_accum_steps must be a whole number >= 1, got 0"),
-        (dict(threads_per_worker=0), "threads_per_worker must be >= 1 or None, got 0"),
+        (dict(threads_per_worker=0), "threads_per_worker must be a whole number from 1 to 4096"),
         (dict(dataset_size=4, global_batch_size=8), "use at least 8 samples"),
+        # what the types behind a flag cannot hold, refused before launch with the range
+        (dict(threads_per_worker=2**31), "threads_per_worker must be a whole number from 1 to 4096"),
+        (dict(seed=2**64), f"seed must be a whole number from 0 to {2**62}"),
+        (dict(seed=-1), f"seed must be a whole number from 0 to {2**62}"),
+        (dict(steps=10**10), "steps must be at most 1000000000"),
+        (dict(dataset_size=10**12), "give a smaller --dataset-size"),
+        (dict(model="gpt-moe-tiny", extra={"moe_capacity_factor": 1e308}), "must be a positive number up to 1e+06"),
     ],
 )
 def test_other_bad_sizes(fields, expected):

@@ -186,10 +186,13 @@ class RunConfig:
                 or not 0 < self.bucket_cap_mb <= MAX_BUCKET_MB):
             raise ConfigError(f"bucket_cap_mb must be a positive number of MiB up to {MAX_BUCKET_MB} (1 TiB: one "
                               f"bucket larger than any model), got {self.bucket_cap_mb!r}; DDP's default is 25")
-        if self.threads_per_worker is not None and self.threads_per_worker < 1:
-            raise ConfigError(
-                f"threads_per_worker must be >= 1 or None, got {self.threads_per_worker!r}"
-            )
+        if self.threads_per_worker is not None and not 1 <= self.threads_per_worker <= MAX_THREADS:
+            raise ConfigError(f"threads_per_worker must be a whole number from 1 to {MAX_THREADS} "
+                              "(torch.set_num_threads takes a C int; more threads than cores only queue), or None; "
+                              f"got {self.threads_per_worker!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed must be a whole number from 0 to {MAX_SEED} (torch's generators take a 64-bit "
+                              f"signed seed, and the sampler adds the epoch to it), got {self.seed!r}")
         if self.degrees["tp"] > 1:
             from multigpu.models import default_seq_len, tensor_parallel_problems
 
@@ -217,6 +220,7 @@ class RunConfig:
         if problems:  # what only the strategy itself knows it cannot do
             raise ConfigError(f"strategy {self.strategy!r}: " + "; ".join(problems))
         _check_checkpointing(self)
+        _check_data_fits(self)
         if self.fault is not None:
             _, fault_rank, _, _ = parse_fault(self.fault)
             if fault_rank >= self.processes:
@@ -284,6 +288,26 @@ def parse_fault(fault: str) -> tuple[str, int, int, str | None]:
 
 
 MAX_STEPS = 10**9  # steps, samples and checkpoint intervals are counted in 64-bit integers, far from this
+MAX_SEED = 2**62  # a 64-bit signed seed, with room for the sampler's seed + epoch
+MAX_THREADS = 4096
+
+
+def _check_data_fits(cfg: RunConfig) -> None:
+    """The data set is generated whole in every process, as 64-bit token ids (data.TokenDataset: two streams
+    for a decoder, three for T5, and the chain's sequences while they are made): it must fit the machine."""
+    from multigpu.models import default_seq_len, family
+
+    streams = 2 if family(cfg.model) != "t5" else 3
+    per_process = cfg.num_samples * ((cfg.seq_len or default_seq_len(cfg.model)) + 1) * 8 * (streams + 1)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to compare with
+        return
+    if per_process * cfg.processes > ram:
+        raise ConfigError(f"the data set ({cfg.num_samples:,} samples = dataset_size, or global_batch_size x steps) "
+                          f"takes {per_process / 2**30:,.1f} GiB in each of {cfg.processes} process(es), more than "
+                          f"this machine's {ram / 2**30:,.1f} GiB of memory; give a smaller --dataset-size (the "
+                          "sampler starts a new epoch when it runs out), fewer steps or a smaller batch")
 
 
 def _check_checkpointing(cfg: RunConfig) -> None:

@@ -54,6 +54,9 @@ class MoEConfig:
             raise ValueError("; ".join(problems))
 
 
+MAX_CAPACITY_FACTOR = 1e6  # places = factor x tokens x k / E, an integer: far beyond "nothing dropped", not inf
+
+
 def options_problems(experts: int, top_k, capacity_factor, aux_loss_coef) -> list[str]:
     """What makes a MoE layer's routing impossible (config checks and RunConfig.validate share it)."""
     problems = []
@@ -63,9 +66,10 @@ def options_problems(experts: int, top_k, capacity_factor, aux_loss_coef) -> lis
         problems.append(f"top_k {top_k!r} (--top-k) must be a whole number from 1 to the {experts} experts: each "
                         f"token goes to k different experts")
     if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (
-            int, float)) or not math.isfinite(capacity_factor) or capacity_factor <= 0):
-        problems.append(f"capacity_factor (--capacity-factor) must be a positive number (1.0: room for an even "
-                        f"share, 1.25: Switch's 25% slack), or left out for no limit; got {capacity_factor!r}")
+            int, float)) or not math.isfinite(capacity_factor) or not 0 < capacity_factor <= MAX_CAPACITY_FACTOR):
+        problems.append(f"capacity_factor (--capacity-factor) must be a positive number up to {MAX_CAPACITY_FACTOR:g} "
+                        f"(1.0: room for an even share, 1.25: Switch's 25% slack; from experts / k on nothing is "
+                        f"dropped), or left out for no limit; got {capacity_factor!r}")
     if isinstance(aux_loss_coef, bool) or not isinstance(aux_loss_coef, (int, float)) or not (
             math.isfinite(aux_loss_coef) and aux_loss_coef >= 0):
         problems.append(f"aux_loss_coef (--aux-loss-coef) must be a number >= 0 (Switch uses 0.01), got "
