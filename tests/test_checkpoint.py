@@ -117,11 +117,13 @@ def test_a_checkpoint_moves_between_layouts_unchanged(tmp_path):
         assert [k for k in first if not torch.equal(first[k], again[k])] == []
 
 
+DDP = RESUMED.index(("ddp", 2, {}))
+
+
 @pytest.fixture(scope="module")
-def unbroken_ddp(tmp_path_factory):
-    path = tmp_path_factory.mktemp("unbroken") / "w.pt"
-    launch(RunConfig(strategy="ddp", world_size=2, **BASE), params_path=path, progress=False)
-    return torch.load(path)
+def unbroken_ddp(resumed):
+    """The weights of DDP's unbroken run above (3 steps; saving changes no weight)."""
+    return resumed[0][DDP][1]
 
 
 @pytest.mark.parametrize("stage", checkpoint.SAVE_STAGES)
@@ -135,7 +137,7 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint_whole(tmp_path, unbroke
         launch(cfg, progress=False)
     newest = checkpoint.resolve(folder)
     assert newest.name == ("step-00000002" if stage == "renamed" else "step-00000001")
-    if stage in ("written", "renamed"):
+    if stage == "written":  # (a complete step-N resumes exactly: the tests above)
         resumed = cfg.replace(fault=None, checkpoint_dir=None, checkpoint_every=None, resume=str(folder))
         launch(resumed, params_path=tmp_path / "w.pt", progress=False)
         weights = torch.load(tmp_path / "w.pt")
@@ -152,10 +154,9 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint(tmp_path, unbroken_
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("saved") / "ck"
-    launch(RunConfig(strategy="ddp", world_size=2, checkpoint_dir=str(folder), **BASE), progress=False)
-    return folder
+def saved(resumed):
+    """The checkpoint folder of DDP's unbroken run above (its newest: after the last of 3 steps)."""
+    return Path(resumed[0][DDP][0]["config"]["checkpoint_dir"])
 
 
 def test_a_damaged_checkpoint_is_refused_by_name(saved, tmp_path):
@@ -171,7 +172,9 @@ def test_a_damaged_checkpoint_is_refused_by_name(saved, tmp_path):
     (step / "__0_0.distcp").unlink()
     with pytest.raises(checkpoint.CheckpointError, match=r"__0_0.distcp \(missing"):
         RunConfig(strategy="ddp", world_size=2, resume=str(step), **{**BASE, "steps": 5}).validate()
-    (step / checkpoint.META).unlink()
+    (step / checkpoint.META).unlink()  # no longer a complete checkpoint: the one before it is the newest
+    assert checkpoint.resolve(copy) == checkpoint.step_dir(copy, 2)
+    (checkpoint.step_dir(copy, 2) / checkpoint.META).unlink()
     with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint in .*lack meta.json"):
         checkpoint.resolve(copy)
 
