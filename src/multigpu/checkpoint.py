@@ -22,6 +22,9 @@ How a strategy's state is named decides where it can be loaded again:
   pieces under the rank's own keys: exact resume on the same layout, nothing else.
 - "deepspeed": DeepSpeed's engine saves itself (`engine.save_checkpoint`), beside our state.
 
+A strategy says which (`Parallelized.checkpoint_names`); the names themselves are made in
+`strategies/state.py` (`checkpoint_state`), beside the code that gathers a strategy's whole weights.
+
 A save writes into `step-N.partial` and renames it to `step-N` only when every rank's file
 and `meta.json` are there: a run killed during a save leaves the previous checkpoint whole,
 and a folder without `meta.json`, or whose files are missing or short, is refused by name.
