@@ -48,7 +48,6 @@ from torch.distributed.tensor import DTensor
 
 from multigpu.errors import ConfigError
 from multigpu.strategies.state import (
-    checkpoint_names,
     checkpoint_state,
     checkpoint_targets,
     local_tensor,
@@ -170,10 +169,11 @@ class Checkpointer:
             folder.mkdir(parents=True)
         dist.barrier(group=self.group)
         self.fault("start", steps_done)
-        names = checkpoint_names(self.par)
-        state = {} if names == "deepspeed" else checkpoint_state(self.par, self.rt.rank)[0]
-        if names == "deepspeed":
+        if self.par.checkpoint_names == "deepspeed":
+            state = {}
             self.par.module.save_checkpoint(str(folder), tag="engine")  # the engine's own, every rank
+        else:
+            state = checkpoint_state(self.par, self.rt.rank)[0]
         state["train"] = train_state(self.rt.rank, steps_done, losses, self.par.scaler, self.rt.device)
         if self.cfg.checkpoint_async:
             future = dcp.async_save(self._staged(state), checkpoint_id=folder, process_group=self.group,
@@ -199,7 +199,7 @@ class Checkpointer:
         final = step_dir(self.root, steps_done)
         files = files_of(folder)
         if self.rt.rank == 0:
-            meta = {"format": FORMAT, "steps_done": steps_done, "names": checkpoint_names(self.par),
+            meta = {"format": FORMAT, "steps_done": steps_done, "names": self.par.checkpoint_names,
                     "config": self.cfg.to_dict(), "grid": self.cfg.grid.as_dict(), "world_size": self.rt.world_size,
                     "same_run": {k: getattr(self.cfg, k) for k in SAME_RUN},
                     "files": files, "saved_unix": time.time()}
@@ -252,7 +252,7 @@ class Checkpointer:
                 buffer = self.buffers[name] = torch.empty(local.shape, dtype=local.dtype, device="cpu",
                                                           pin_memory=local.is_cuda)
             buffer.copy_(local.detach(), non_blocking=local.is_cuda)
-            out[key] = buffer if not isinstance(value, DTensor) else DTensor.fromlocal_tensor(
+            out[key] = buffer if not isinstance(value, DTensor) else DTensor.from_local(
                 buffer, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
         if not prefix and self.rt.device.type == "cuda":
             torch.cuda.synchronize(self.rt.device)  # every copy landed before the writer reads the buffers
@@ -265,18 +265,13 @@ class Checkpointer:
 
 
 class _AlreadyStaged(AsyncStager):
-    """For dcp.async_save: the state handed over is already a private host copy (`Checkpointer._staged`)."""
+    """For dcp.async_save: the state handed over is already a private host copy (`Checkpointer._staged`);
+    nothing to wait for or to free (AsyncStager's synchronize_staging and close do nothing)."""
 
     _synchronize_after_execute = False
 
     def stage(self, state_dict):
         return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 # -- loading ---------------------------------------------------------------------------------------------
@@ -290,8 +285,7 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"{path} is not a complete checkpoint: its {META} cannot be read ({err}); "
                               "use an earlier step-N folder, or start the run anew") from None
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} was written in checkpoint format {meta.get('format')!r}; this package "
-                              f"reads format {FORMAT}")
+        raise CheckpointError(f"{path} is in checkpoint format {meta.get('format')!r}; this package reads {FORMAT}")
     wrong = [f"{name} ({'missing' if not (path / name).exists() else f'{(path / name).stat().st_size} bytes'}, "
              f"written with {size})" for name, size in meta["files"].items()
              if not (path / name).exists() or (path / name).stat().st_size != size]
@@ -323,9 +317,11 @@ def compatibility_problems(meta: dict, cfg) -> list[str]:
     return []
 
 
-def whole_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """A canonical checkpoint's weights, whole, read in this process (no process group: DCP's own
-    conversion to one torch.save file, which holds the optimizer's state too), and its meta.json."""
+def whole(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A canonical checkpoint's weights and optimizer state, whole, read in this process (no process group:
+    DCP's own conversion to one torch.save file), under flat names (`model.blocks.0.mlp.fc.weight`,
+    `optimizer.blocks.0.mlp.fc.weight.exp_avg`; not the run's own state, whose generators are each rank's),
+    and its meta.json."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path = resolve(path)
@@ -335,13 +331,20 @@ def whole_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
                               "the single-device names: load it with the same layout and save it from a canonical one")
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp, "whole.pt"))
-        return torch.load(Path(tmp, "whole.pt"), weights_only=False)["model"], meta
+        state = torch.load(Path(tmp, "whole.pt"), weights_only=False)
+    return _flat({k: state[k] for k in ("model", "optimizer")}), meta
 
 
-def _flat_keys(state: dict, prefix: str = "") -> list[str]:
-    out = []
+def whole_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A canonical checkpoint's weights, whole, under the single-device names, and its meta.json."""
+    tensors, meta = whole(path)
+    return {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}, meta
+
+
+def _flat(state: dict, prefix: str = "") -> dict:
+    out = {}
     for k, v in state.items():
-        out += _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
@@ -353,13 +356,13 @@ def load(path: str | Path, par, cfg, rt) -> dict:
     if problems:
         raise CheckpointError(f"cannot continue from {path}: " + "; ".join(problems))
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    names = checkpoint_names(par)
-    state, how = ({}, {}) if names == "deepspeed" else checkpoint_targets(par, rt.rank)
+    names = par.checkpoint_names
     if names == "local" and meta["names"] != "local":
         raise CheckpointError(f"cannot continue from {path}: {cfg.strategy} saves and loads its own pieces, and "
                               f"this checkpoint is {meta['names']}")
+    state, how = ({}, {}) if names == "deepspeed" else checkpoint_targets(par, rt.rank)
     state["train"] = _train_targets(rt.rank, rt.device, saved)
-    wanted = _flat_keys(state)
+    wanted = list(_flat(state))
     missing = [k for k in wanted if k not in saved]
     if names == "local":  # a rank's own pieces: every one it saved has a place now, or the layouts differ
         missing += [f"a place for {k}" for k in saved if k.startswith(f"rank{rt.rank}.") and k not in wanted]

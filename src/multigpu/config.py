@@ -336,8 +336,9 @@ def _check_checkpointing(cfg: RunConfig) -> None:
     there = complete(cfg.checkpoint_dir)
     resuming_here = cfg.resume is not None and os.path.abspath(cfg.resume) in (
         os.path.abspath(cfg.checkpoint_dir), *(os.path.abspath(p) for p in there))
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"  # torchrun restarted the workers
-    if there and not resuming_here and not restarted:
+    from multigpu.runtime import restart_count
+
+    if there and not resuming_here and not restart_count():  # (a restarted worker continues its own run)
         raise ConfigError(f"checkpoint_dir {cfg.checkpoint_dir} already holds checkpoints ({there[-1].name} the "
                           f"newest): continue that run with --resume {cfg.checkpoint_dir}, or choose an empty folder")
     if os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):

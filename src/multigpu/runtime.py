@@ -209,6 +209,12 @@ def choose_device(requested: str, world_size: int) -> tuple[str, str, str]:
     return plan.device, plan.backend, plan.why
 
 
+def restart_count() -> int:
+    """How many times torchrun has started this worker's attempt again after a failure (--max-restarts): 0 in
+    the first attempt, and outside torchrun."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def init(device_type: str, timeout_s: float = 300) -> Runtime:
     """Join the process group torchrun set up; pin this process to its GPU if any (local rank r
     takes cuda:r of the GPUs the launcher left visible: the device plan's)."""
@@ -222,9 +228,9 @@ def init(device_type: str, timeout_s: float = 300) -> Runtime:
         device, backend = torch.device("cpu"), "gloo"
     # device_id binds NCCL to this GPU now: start-up errors surface here, and barriers know
     # their device (without it rank 0 warns "using the device under current context")
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    restart = restart_count()
     store = None
-    if restart != "0":  # torchrun's store outlives a restart, and the failed attempt's process groups left their
+    if restart:  # torchrun's store outlives a restart, and the failed attempt's process groups left their
         # peers' addresses in it under the same names: a new group would dial the dead workers and wait for good
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
                                            timeout=timedelta(seconds=timeout_s)))

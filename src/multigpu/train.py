@@ -21,13 +21,13 @@ from multigpu.hf import set_attention
 from multigpu.instruments import Instruments
 from multigpu.memory import ProcessPeaks, model_state_bytes
 from multigpu.models import build_model, default_seq_len, vocab_size
-from multigpu.runtime import RankGrid
+from multigpu.runtime import RankGrid, restart_count
 
 
 def _maybe_fail(cfg: RunConfig, rank: int, step: int, stage: str | None = None) -> None:
     """Testing hook: make one rank fail at one step (or at one stage of a save), to prove failures never
     hang and that a checkpoint survives them. Once: a worker torchrun restarted does not fail again."""
-    if cfg.fault is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if cfg.fault is None or restart_count():
         return
     kind, fault_rank, fault_step, fault_stage = parse_fault(cfg.fault)
     if (rank, step, stage) == (fault_rank, fault_step, fault_stage):
@@ -40,12 +40,9 @@ def _maybe_fail(cfg: RunConfig, rank: int, step: int, stage: str | None = None) 
 def resume_from(cfg: RunConfig) -> str | None:
     """The checkpoint a run continues from: the one asked for, or, in a worker torchrun restarted after a
     failure, the newest its own checkpoint_dir holds (none: it starts again from step 0)."""
-    from multigpu import checkpoint
-
     if cfg.resume is not None:
         return cfg.resume
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if restarted and cfg.checkpoint_dir and checkpoint.complete(cfg.checkpoint_dir):
+    if restart_count() and cfg.checkpoint_dir and checkpoint.complete(cfg.checkpoint_dir):
         return cfg.checkpoint_dir
     return None
 

@@ -77,8 +77,7 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
                            "resumed": results[0]["checkpoint"]["resumed"]}}
            if results[0]["checkpoint"]["saves"] or results[0]["checkpoint"]["resumed"] else {}),
         # times torchrun started the workers again after a failure (--max-restarts) before this record
-        **({"restarts": int(os.environ["TORCHELASTIC_RESTART_COUNT"])}
-           if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" else {}),
+        **({"restarts": runtime.restart_count()} if runtime.restart_count() else {}),
         # a strategy whose ranks each report something of their own (a pipeline stage's events)
         "strategy_report_by_rank": [r["strategy_report"] for r in results]
         if len(results) > 1 and any(r["strategy_report"] for r in results[1:]) else None,

@@ -40,7 +40,7 @@ BYTES_STRATEGIES = (("single", 1, {}), ("ddp", 4, {}), ("zero1", 4, {}), ("zero3
 
 
 def checkpoint_bytes() -> list[Job]:
-    """gpt-small (6 blocks, 3.3M parameters, AdamW) trained 2 steps by each strategy, saved after the last:
+    """gpt-small (6 blocks, AdamW) trained 2 steps by each strategy, saved after the last:
     the bytes every rank wrote (on the CPU on every machine, 4 processes: a layout, not a speed)."""
     base = RunConfig(model="gpt-small", global_batch_size=8, grad_accum_steps=2, optimizer="adamw", lr=1e-3,
                      steps=2, track_memory=False, device="cpu", checkpoint_dir="<temporary>")

@@ -12,12 +12,12 @@ def checkpoint_bytes_by_rank(rows: list[dict], records, formula_bytes: float,
     """One stacked bar per layout (`rows`: {"layout", "bytes_by_rank"}), one colour per rank, beside the
     formula's whole model state (dashed)."""
     fig, (ax,) = _figure(records)
+    widest = max(range(len(rows)), key=lambda i: len(rows[i]["bytes_by_rank"]))  # its ranks name the colours
     for x, row in enumerate(rows):
         bottom = 0.0
         for rank, nbytes in enumerate(row["bytes_by_rank"]):
             ax.bar(x, nbytes / 2**20, bottom=bottom, color=RANK_COLORS[rank % 4], edgecolor="white",
-                   label=f"rank {rank}" if x == max(range(len(rows)), key=lambda i: len(rows[i]["bytes_by_rank"]))
-                   else None)
+                   label=f"rank {rank}" if x == widest else None)
             bottom += nbytes / 2**20
     ax.axhline(formula_bytes / 2**20, color="grey", ls="--", lw=1, label="formula: weights + AdamW's two moments")
     ax.set_xticks(range(len(rows)), [r["layout"] for r in rows], rotation=30, ha="right", fontsize=8)

@@ -55,8 +55,7 @@ def fused_state_dict(state: dict) -> dict:
 def whole_state_dict(module: nn.Module) -> dict:
     """`module`'s state dict with every DTensor (cut by TP, sharded by FSDP) gathered whole,
     under the single-device names (`fused_state_dict`)."""
-    return fused_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
-                             for k, v in module.state_dict().items()})
+    return fused_state_dict({k: _whole_tensor(v) for k, v in module.state_dict().items()})
 
 
 def sliced_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
@@ -117,10 +116,6 @@ def pipeline_state_dict(pieces: list[nn.Module], grid) -> dict[str, torch.Tensor
 _QKV = re.compile(r"(.*\.qkv)\.([qkv])\.(weight|bias)$")  # the library TP's attention (tp_plan.QKV)
 
 
-def checkpoint_names(par) -> str:
-    return getattr(par, "checkpoint_names", "canonical")
-
-
 def _module_optimizer(par) -> tuple[nn.Module, torch.optim.Optimizer]:
     """What holds the weights and the optimizer whose state is this rank's (ZeroRedundancyOptimizer: the
     optimizer over its own partition)."""
@@ -160,11 +155,11 @@ def _canonical(module: nn.Module, model_sd: dict, optim_state: dict) -> tuple[di
     # a tied weight (GPT-2's embedding and head) is one tensor under two names, whose state the optimizer
     # keeps under one of them; a pipeline holds it twice (first and last stage), each copy with its state
     # under its own name: saved under both, every layout finds the one it needs
-    checkpoint_names_tensor: dict[tuple, list[str]] = {}
+    names_by_tensor: dict[tuple, list[str]] = {}
     for name, value in model.items():
         local = local_tensor(value)
-        checkpoint_names_tensor.setdefault((local.data_ptr(), local.shape, local.stride()), []).append(name)
-    for names in checkpoint_names_tensor.values():
+        names_by_tensor.setdefault((local.data_ptr(), local.shape, local.stride()), []).append(name)
+    for names in names_by_tensor.values():
         if (held := [n for n in names if n in optim]) and len(names) > 1:
             for n in names:
                 optim.setdefault(n, optim[held[0]])
@@ -200,7 +195,7 @@ def local_tensor(t):
 def checkpoint_state(par, rank: int) -> tuple[dict, dict]:
     """(what this rank saves, how to put a loaded copy of it back): the weights and optimizer state."""
     module, optimizer = _module_optimizer(par)
-    if checkpoint_names(par) == "local":  # the module's tensors (but those a ZeRO-3 frees between steps), and the
+    if par.checkpoint_names == "local":  # the module's tensors (but those a ZeRO-3 frees between steps), and the
         # optimizer's own parameters (the from-scratch ZeRO's flat shards) and their state, by position
         optim = optimizer.state_dict()
         model = {k: local_tensor(v) for k, v in module.state_dict().items() if local_tensor(v).untyped_storage().size()}
