@@ -72,6 +72,26 @@ def _payload_bytes(func, args) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def _group_size(args) -> int | None:
+    """The size of the group a collective's arguments name: a c10d op passes the ProcessGroup (boxed as a
+    ScriptObject), a functional collective its registered name."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except RuntimeError:  # another boxed argument (the ReduceOp)
+                continue
+        if isinstance(a, str):
+            try:
+                return _resolve_process_group(a).size()
+            except (KeyError, RuntimeError, ValueError):
+                continue
+    return None
+
+
 class CommCounter(TorchDispatchMode):
     """Count collectives issued inside the `with` block.
 
@@ -86,6 +106,7 @@ class CommCounter(TorchDispatchMode):
         self.calls: dict[str, int] = defaultdict(int)
         self.payload_bytes: dict[str, int] = defaultdict(int)
         self.log: list[tuple[str, int]] = []  # (kind, payload bytes) in the order issued
+        self.group_sizes: list[int | None] = []  # each call's group's size, in the same order (None: not named)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
@@ -103,6 +124,7 @@ class CommCounter(TorchDispatchMode):
                 self.calls[kind] += 1
                 self.payload_bytes[kind] += payload
                 self.log.append((kind, payload))
+                self.group_sizes.append(_group_size(args))
         return func(*args, **(kwargs or {}))
 
     @property

@@ -119,7 +119,9 @@ class RunConfig:
     def num_samples(self) -> int:
         return self.dataset_size or self.global_batch_size * max(self.steps, 1)
 
-    def validate(self) -> RunConfig:
+    def validate(self, on_this_machine: bool = True) -> RunConfig:
+        """Check every field, before any process starts. on_this_machine=False: a run planned for other machines
+        (a dry run of 1024 ranks): this machine's cores and memory are not its limits."""
         from multigpu.models import PRESETS  # local import: models imports torch
 
         _choose("strategy", self.strategy, STRATEGIES)
@@ -143,7 +145,7 @@ class RunConfig:
 
         # a process per GPU is always useful, whatever the cores (a container may show few)
         gpus = 0 if resolve_requested(self.device) == "cpu" else machine_gpus()
-        if self.world_size > max(max_cpu_workers(), gpus):
+        if on_this_machine and self.world_size > max(max_cpu_workers(), gpus):
             raise ConfigError(
                 f"world_size={self.world_size} is more processes than this machine can run "
                 f"usefully ({os.cpu_count()} CPU cores, limit {max_cpu_workers()}; {gpus} CUDA GPU(s)); "
@@ -220,7 +222,8 @@ class RunConfig:
         if problems:  # what only the strategy itself knows it cannot do
             raise ConfigError(f"strategy {self.strategy!r}: " + "; ".join(problems))
         _check_checkpointing(self)
-        _check_data_fits(self)
+        if on_this_machine:
+            _check_data_fits(self)
         if self.fault is not None:
             _, fault_rank, _, _ = parse_fault(self.fault)
             if fault_rank >= self.processes:

@@ -107,6 +107,8 @@ def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     visible: a parameter that is a view into a freed buffer holds nothing, a flat buffer
     holds all its views once, and a DTensor (FSDP2) or a DeepSpeed partition (`ds_tensor`)
     holds its local shard only."""
+    from torch._subclasses.fake_tensor import is_fake
+
     optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's own
     params = [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
     held = [_local(p) for p in params] + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]
@@ -117,7 +119,8 @@ def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
         out[name] = 0
         for t in tensors:
             storage = _local(t).untyped_storage()
-            key = (storage.device, storage.data_ptr())
+            # a dry run's fake tensors have no memory, hence no address: their storage objects tell them apart
+            key = storage._cdata if is_fake(_local(t)) else (storage.device, storage.data_ptr())
             if key not in seen and storage.nbytes() > 0:
                 seen.add(key)
                 out[name] += storage.nbytes()

@@ -123,7 +123,15 @@ def micro_batch_step(par: Parallelized, micro_batches: list[dict], autocast_dtyp
         par.scaler.step(par.optimizer)
     else:
         par.step()
-    return step_loss.item()
+    return host_value(step_loss)
+
+
+def host_value(t: torch.Tensor) -> float:
+    """A step's loss read on the host (one sync per step). A dry run's loss is a fake tensor (multigpu.dryrun):
+    it has a shape and no value, so it reads as nan."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return float("nan") if is_fake(t) else t.item()
 
 
 def _nothing(batch):

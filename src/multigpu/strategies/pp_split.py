@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from multigpu.models import GPT
+from multigpu.strategies import host_value
 
 
 def deep_enough(model: str, stages: int) -> str | None:
@@ -131,4 +132,4 @@ def loss_to_all(loss: float | torch.Tensor, grid, device: torch.device, src: int
     value = torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1)
     if pp > 1:
         dist.broadcast(value, group=grid.group("pp"), group_src=pp - 1 if src is None else src)
-    return value.item()
+    return host_value(value)
