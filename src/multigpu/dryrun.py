@@ -170,11 +170,16 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
 
                 def first_backward(loss):
                     if not forward:
-                        forward.update(_alive(tracker, skip=_storages_of_grads(par)))
+                        forward.update(_alive(tracker, skip=before | _storages_of_grads(par)))
                     return backward(loss)
                 par.backward = first_backward
+            before = set()  # what the step made before its first forward (a zeroed gradient buffer)
+
+            def at_forward(i):
+                if i == 0:
+                    before.update(k for k, (ref, _) in tracker.refs.items() if not ref.expired())
             with _NewStorages(held) as tracker, CommCounter(world) as comm:
-                par.run_step(batches, autocast)
+                par.run_step(batches, autocast, at_forward)
             states = model_state_bytes(par.module, par.optimizer)
     except MemoryError:
         raise ConfigError(f"the dry run of {cfg.strategy} on {world} ranks ran out of this machine's memory "

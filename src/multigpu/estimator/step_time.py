@@ -18,6 +18,7 @@ fitted to its timed collectives, its compute rate what one of its processes achi
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from multigpu.errors import ConfigError
@@ -90,6 +91,21 @@ def group_link(machine: Machine, size: int, stride: int) -> tuple[Link, float]:
     return machine.inter, share
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """Calls of one collective a rank makes in one step, as the step-time model counts them: their kind, their
+    payload in all (the bytes handed in, as `comm.CommCounter` counts them: an all-gather's shards, a
+    reduce-scatter's whole input), the group, and what the calls may hide behind."""
+
+    dim: str  # the grid dimension it serves: "dp", "tp", "cp", "moe" or "pp"
+    kind: str
+    payload_bytes: float
+    group_size: int  # the group's ranks (a send goes to one of them: priced as a group of two)
+    stride: int  # the group's ranks are this many apart (where the placement puts the link)
+    calls: int
+    hides: str = "none"  # what it may run behind: "backward", "all" (the compute), "attention" or "none"
+
+
 # What may run while the GPU computes, and behind which compute (the rest adds to the step), as
 # the strategy table's `overlap` column says it:
 # DDP's bucketed all-reduce and ZeRO-2's bucketed reduce-scatter behind backward; ZeRO-3's and
@@ -101,65 +117,67 @@ def group_link(machine: Machine, size: int, stride: int) -> tuple[Link, float]:
 # as perfect up to the compute it runs behind: real overlap is partial (the collectives' kernels
 # compete with the compute's), so the sharded strategies' times are lower bounds; `step_time`'s
 # overlap=False gives the other bound, where nothing hides.
-def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool = True) -> StepTime:
-    """The model of one step of `global_batch` samples: see the module's docstring.
-    overlap=False: no collective hides behind compute (the step's upper bound; by default
-    hiding is perfect, the lower)."""
-    if setup.strategy == "dp":
-        raise ConfigError("the step-time model covers one process per GPU; DataParallel (dp) runs one process")
-    if setup.world_size != machine.gpus:
-        raise ConfigError(f"{setup.strategy} on {setup.world_size} ranks, but {machine.name} has {machine.gpus} GPUs")
+def collectives(setup: Setup, global_batch: int, pipeline_rank: int | None = None) -> list[Traffic]:
+    """Every collective one rank makes in a step of `global_batch` samples, by dimension; under a pipeline, the
+    rank `pipeline_rank` (default: a middle one, which sends both ways). Held against dry runs of the strategies'
+    own code (`multigpu.estimator.held`): the calls and bytes are theirs, the differences named there."""
     grid, kind = setup.grid, setup.strategy
     dp, tp, pp, cp, m = grid.dp, grid.tp, grid.pp, grid.cp, setup.grad_accum_steps
     n = setup.replicas  # the ranks that hold the same piece of the model: dp, and cp (each holds it whole)
-    compute = flops_per_sample(setup) * global_batch / (setup.world_size * machine.flops_per_s(setup.dtype))
-    backward = compute * (6 / 8 if setup.activation_checkpointing else 2 / 3)  # backward (and recompute) FLOPs
-    comm, exposed = {}, {}
-
+    out = []
     shares = rank_shares(setup)
     params = max(s.parameters for s in shares)  # the busiest rank's, cut by tp, before data-parallel sharding
     grad_width = 2 if setup.dtype == "bf16-master" else 4
     weight_width = 2 if bf16_weights(setup) else 4  # what ZeRO-3 gathers (FSDP's mixed precision: bf16 copies)
     act_width = 2 if setup.dtype != "fp32" else 4  # activations between layers and stages
     if n > 1:  # the data-parallel collectives, once per step or per micro-batch, over dp x cp ranks
-        link, share = group_link(machine, n, tp)
         grads, weights, units = params * grad_width, params * weight_width, max(s.blocks for s in shares) + 1
         buckets = max(1, math.ceil(grads / (setup.bucket_cap_mb * 2**20)))  # gradients go in buckets
         run = data_parallel_kind(setup)
+        behind = STRATEGY_TABLE[run].overlap if run in STRATEGY_TABLE else "none"  # pp-fsdp: none
+        dp_traffic = lambda kind, payload, calls, size=n, stride=tp, hides=behind: Traffic(  # noqa: E731
+            "dp", kind, payload, size, stride, calls, hides)
         if run == "ddp" and grid.ep > 1:  # ep-scratch: the dense part over dp, a rank's experts over their copies
             routed = model_shape(setup.model).expert_parameters // grid.ep * grad_width
-            copies_link, copies_share = group_link(machine, n // grid.ep, grid.ep)
-            seconds = (link.seconds("all_reduce", grads - routed, n, share, calls=buckets)
-                       + copies_link.seconds("all_reduce", routed, n // grid.ep, copies_share, calls=buckets))
+            out += [dp_traffic("all_reduce", grads - routed, buckets),
+                    dp_traffic("all_reduce", routed, buckets, n // grid.ep, grid.ep)]
         elif run == "ddp":
-            seconds = link.seconds("all_reduce", grads, n, share, calls=buckets)
-        elif run in ("zero1", "zero2"):
-            scatters = m if run == "zero2" else 1  # ZeRO-2 keeps only its gradient shard between micro-batches
-            seconds = (link.seconds("reduce_scatter", scatters * grads, n, share, calls=scatters * buckets)
-                       + link.seconds("all_gather", grads / n, n, share, calls=buckets))
+            out.append(dp_traffic("all_reduce", grads, buckets))
+        elif run == "zero1":
+            out += [dp_traffic("reduce_scatter", grads, buckets), dp_traffic("all_gather", grads / n, buckets)]
+        elif run == "zero2":  # each full bucket's pieces reduced to the ranks that own them (strategies/zero.py):
+            # a reduce-scatter's bytes, in a call per owner a bucket reaches (at least one per bucket); it keeps
+            # only its gradient shard between micro-batches
+            out += [dp_traffic("reduce", m * grads, m * buckets),
+                    # the updated parameters' all-gather follows the optimizer step: it does not hide
+                    dp_traffic("all_gather", grads / n, buckets, hides="none")]
         elif run in ("zero3", "fsdp"):
             gathers = 1 if (run == "fsdp" and not setup.reshard_after_forward) else 2  # per micro-batch, per unit
-            seconds = m * (link.seconds("all_gather", gathers * weights / n, n, share, calls=gathers * units)
-                           + link.seconds("reduce_scatter", grads, n, share, calls=units))
+            if run == "zero3":  # ours keeps the root unit (the embeddings, the head) gathered through the step,
+                # and its gradient whole until the step's last backward: once per step
+                outside = max(s.outside_blocks for s in shares)
+                blocks = units - 1
+                out += [dp_traffic("all_gather", (m * 2 * (params - outside) + outside) * weight_width / n,
+                                   m * 2 * blocks + 1),
+                        dp_traffic("reduce_scatter", (m * (params - outside) + outside) * grad_width, m * blocks + 1)]
+            else:  # FSDP2 gathers every unit again for each micro-batch, but sums the gradients of all but the
+                # last unsharded (no_sync: set_requires_gradient_sync(False)) and reduce-scatters once per step
+                out += [dp_traffic("all_gather", m * gathers * weights / n, m * gathers * units),
+                        dp_traffic("reduce_scatter", grads, units)]
         else:  # FSDP inside a pipeline stage: once per step
-            seconds = (link.seconds("all_gather", weights / n, n, share)
-                       + link.seconds("reduce_scatter", grads, n, share))
-        behind = STRATEGY_TABLE[run].overlap if run in STRATEGY_TABLE else "none"  # pp-fsdp: none
-        hides = {"backward": backward, "all": compute}.get(behind, 0.0) if overlap else 0.0
-        if run == "zero2":  # its all-gather after the step does not hide
-            after = link.seconds("all_gather", grads / n, n, share, calls=buckets)
-            comm["dp"], exposed["dp"] = seconds, max(0.0, seconds - after - hides) + after
-        else:
-            comm["dp"], exposed["dp"] = seconds, max(0.0, seconds - hides)
+            out += [dp_traffic("all_gather", weights / n, 1), dp_traffic("reduce_scatter", grads, 1)]
     # one micro-batch's hidden states (b, s, h): what tensor parallelism all-reduces and a stage sends
     activation = global_batch // (dp * m) * setup.seq_len * act_width * (
         gpt_parts(setup.model).d_model if tp > 1 or pp > 1 else 0)
     if tp > 1:  # per micro-batch: each block's two all-reduces forward and two backward (three and three
         # when checkpointing recomputes the forward), the embedding's forward and the head's backward
-        link, share = group_link(machine, tp, 1)
         per_block = 6 if setup.activation_checkpointing else 4
         calls = m * (per_block * max(s.blocks for s in shares) + 2)
-        comm["tp"] = exposed["tp"] = link.seconds("all_reduce", calls * activation, tp, share, calls=calls)
+        out.append(Traffic("tp", "all_reduce", calls * activation, tp, 1, calls))
+        # the cross-entropy of vocabulary-sharded logits (loss_parallel, the default; tp-scratch's own): the
+        # maximum, the sum of exponentials and the target's logit of every token, in fp32
+        tokens = global_batch // (dp * m) * setup.seq_len
+        out.append(Traffic("tp", "all_reduce", m * 3 * tokens * 4, tp, 1, m * 3))
     if cp > 1:  # ring attention, per micro-batch and layer: keys and values round the ring forward, again
         # backward with their gradients (cp_attention.sent_bytes_per_layer); each transfer overlaps the
         # attention the rank computes meanwhile, so at most the attention's share of the compute hides it
@@ -168,38 +186,73 @@ def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool =
         parts = gpt_parts(setup.model)
         per_layer = sent_bytes_per_layer("ring", cp, global_batch // (dp * m), parts.heads // tp, setup.seq_len,
                                          parts.d_model // parts.heads, act_width)
-        link, share = group_link(machine, cp, tp)
-        calls = m * parts.layers * (3 * cp - 2)
-        seconds = link.seconds("send", m * parts.layers * (per_layer["forward"] + per_layer["backward"]), 2, share,
-                               calls=calls)
-        attention = compute * attention_share(setup) if overlap else 0.0
-        comm["cp"], exposed["cp"] = seconds, max(0.0, seconds - attention)
+        out.append(Traffic("cp", "send", m * parts.layers * (per_layer["forward"] + per_layer["backward"]), cp, tp,
+                           m * parts.layers * (3 * cp - 2), "attention"))
+        out.append(Traffic("cp", "all_reduce", m * 4, cp, tp, m))  # each micro-batch's loss, summed for the record
     shape = model_shape(setup.model)
     if shape.experts and dp > 1:  # a mixture of experts, per micro-batch and MoE layer (again in checkpointing's
         # recompute): its E + 1 counts summed over dp for the balancing loss; with ep, the counts to the ep ranks,
         # then each token's k rows to their experts and back (dispatch, combine), and backward's two; the
         # next layer waits for them: nothing hides
         passes = m * shape.blocks * (2 if setup.activation_checkpointing else 1)
-        link, share = group_link(machine, dp, 1)
-        seconds = link.seconds("all_reduce", passes * (shape.experts + 1) * 8, dp, share, calls=passes)
+        out.append(Traffic("moe", "all_reduce", passes * (shape.experts + 1) * 8, dp, 1, passes))
         if grid.ep > 1:
             tokens = global_batch // (dp * m) * setup.seq_len
             rows = tokens * shape.top_k * gpt_parts(setup.model).d_model * act_width  # one all-to-all's, a rank's
-            link, share = group_link(machine, grid.ep, 1)
-            seconds += link.seconds("all_to_all", passes * (shape.experts * 8 + 2 * rows) + m * shape.blocks * 2 * rows,
-                                    grid.ep, share, calls=passes * 3 + m * shape.blocks * 2)
-        comm["moe"] = exposed["moe"] = seconds
-    bubble = 0.0
-    if kind in PIPELINES:  # each micro-batch's activations forward and their gradients back, per stage crossed
-        from multigpu.estimator.formulas import bubble_over_ideal
+            out.append(Traffic("moe", "all_to_all",
+                               passes * (shape.experts * 8 + 2 * rows) + m * shape.blocks * 2 * rows,
+                               grid.ep, 1, passes * 3 + m * shape.blocks * 2))
+    if kind in PIPELINES:  # each micro-batch's activations to the next stage, their gradients to the one before
         from multigpu.strategies.pp import SCHEDULES
 
-        v = SCHEDULES[kind].stages_per_rank
-        link, share = group_link(machine, pp, dp * tp)
-        sends = 2 * v * (m + pp - 1)
-        comm["pp"] = exposed["pp"] = link.seconds("send", sends * activation, 2, share, calls=sends)
-        bubble = compute * bubble_over_ideal(pp, m, v)  # (p-1)/(vm) of the ideal step
-    return StepTime(compute, bubble, comm, exposed)
+        r = pp // 2 if pipeline_rank is None else pipeline_rank
+        v = SCHEDULES[kind].stages_per_rank  # a rank's stages: r, r + pp, ... (the first sends no gradient back,
+        sends = m * (2 * v - (r == 0) - (r == pp - 1))  # the last no activation on)
+        out.append(Traffic("pp", "send", sends * activation, pp, dp * tp, sends))
+        if r in (0, pp - 1) and shape.family == "gpt" and gpt_parts(setup.model).tied:  # the embedding's
+            # gradient, summed between the first stage (the embedding) and the last (the head that shares it)
+            out.append(Traffic("pp", "all_reduce", gpt_parts(setup.model).embedding * grad_width / tp, 2,
+                               dp * tp * (pp - 1), 1))
+        out.append(Traffic("pp", "broadcast", 8, pp, dp * tp, 1))  # the step's loss, from the last stage to all
+    return out
+
+
+def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool = True) -> StepTime:
+    """The model of one step of `global_batch` samples: see the module's docstring. Its communication is
+    `collectives`, priced on the link each group's placement puts it on.
+    overlap=False: no collective hides behind compute (the step's upper bound; by default
+    hiding is perfect, the lower)."""
+    if setup.strategy == "dp":
+        raise ConfigError("the step-time model covers one process per GPU; DataParallel (dp) runs one process")
+    if setup.world_size != machine.gpus:
+        raise ConfigError(f"{setup.strategy} on {setup.world_size} ranks, but {machine.name} has {machine.gpus} GPUs")
+    compute = flops_per_sample(setup) * global_batch / (setup.world_size * machine.flops_per_s(setup.dtype))
+    backward = compute * (6 / 8 if setup.activation_checkpointing else 2 / 3)  # backward (and recompute) FLOPs
+    behind = {"backward": backward, "all": compute, "attention": compute * attention_share(setup)}
+    comm, hidden, exposed = defaultdict(float), defaultdict(float), defaultdict(float)
+    from multigpu.strategies.pp import SCHEDULES
+
+    m, pp = setup.grad_accum_steps, setup.grid.pp
+    for t in collectives(setup, global_batch):
+        link, share = group_link(machine, t.group_size, t.stride)
+        seconds = link.seconds(t.kind, t.payload_bytes, 2 if t.kind == "send" else t.group_size, share, calls=t.calls)
+        if t.dim == "pp" and t.kind == "send" and t.calls:  # the step waits on its critical path's transfers,
+            # not on one rank's: 2 v (m + p - 1) of them (v stages per rank), each one micro-batch's activation
+            path = 2 * SCHEDULES[setup.strategy].stages_per_rank * (m + pp - 1)
+            seconds = link.seconds("send", path * t.payload_bytes / t.calls, 2, share, calls=path)
+        comm[t.dim] += seconds
+        if overlap and t.hides != "none":
+            hidden[t.dim] = behind[t.hides]  # one budget of compute per dimension
+        else:
+            exposed[t.dim] += seconds
+    exposed = {dim: exposed[dim] + max(0.0, comm[dim] - exposed[dim] - hidden[dim]) for dim in comm}
+    bubble = 0.0
+    if setup.strategy in PIPELINES:
+        from multigpu.estimator.formulas import bubble_over_ideal
+
+        bubble = compute * bubble_over_ideal(setup.grid.pp, setup.grad_accum_steps,
+                                             SCHEDULES[setup.strategy].stages_per_rank)  # (p-1)/(vm) of the ideal
+    return StepTime(compute, bubble, dict(comm), exposed)
 
 
 def recorded_machine(ranks: int = 2, tag: str | None = None) -> Machine:

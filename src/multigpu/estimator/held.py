@@ -1,0 +1,77 @@
+"""The estimator held against dry runs (`multigpu.dryrun`): at any world size, the formulas' model states,
+activations and collectives beside what the strategy's own code made and issued on one rank.
+
+A dry run is not the truth everywhere (no time, no NCCL, no allocator), but what a rank holds between steps
+and which collectives it calls with how many bytes are decided by the strategy's code alone, so there the two
+must agree: model states to the byte, the collectives' calls and bytes exactly, the activations within
+`ACTIVATION_GOAL` (the estimator's are traced on one CPU process; the dry run's on the rank's own share).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from multigpu.config import RunConfig
+from multigpu.estimator.question import Setup
+
+ACTIVATION_GOAL = 0.05  # relative
+STATES = ("params", "grads", "optimizer")
+
+
+def setup_for(cfg: RunConfig) -> Setup | None:
+    """The estimator's question for a dry run's config (None: a strategy or option it does not model)."""
+    from multigpu.estimator.accuracy import setup_of
+
+    return setup_of({"config": cfg.to_dict(), "grid": cfg.grid.as_dict(),
+                     "provenance": {"device_type": "cpu", "backend": "nccl"}}, against="tracker")
+
+
+def rows(cfg: RunConfig, run) -> list[dict]:
+    """One row per category: the estimate, the dry run's measurement, and whether they agree within the goal.
+    Categories: params, grads, optimizer (bytes between steps); activations (the first micro-batch's at the end
+    of its forward); and per collective kind its calls and its payload bytes in one step."""
+    from multigpu.estimator.peak import model_states
+    from multigpu.estimator.share import rank_shares
+    from multigpu.estimator.step_time import collectives
+
+    setup = setup_for(cfg)
+    if setup is None:
+        return []
+    share = rank_shares(setup)[run.coords["pp"] if cfg.grid.pp > 1 else 0]
+    out = []
+
+    def row(category, estimate, measured, goal=0.0):
+        diff = None if estimate is None or measured is None else measured - estimate
+        rel = None if diff is None or not estimate else diff / estimate
+        ok = None if measured is None else diff is not None and (diff == 0 or (rel is not None and abs(rel) <= goal))
+        out.append({"strategy": cfg.strategy, "world_size": cfg.processes, "degrees": cfg.grid.as_dict(),
+                    "role": run.role, "category": category, "estimate": estimate, "dry_run": measured,
+                    "difference": diff, "relative": rel, "within_goal": ok})  # None: not measured
+
+    states = model_states(setup, share)
+    for c in STATES:
+        row(c, states[c], run.model_states[c])
+    estimated = None if share.activations is None else round(share.activations.saved(run.micro_batch))
+    row("activations", estimated, run.forward_saved, ACTIVATION_GOAL)
+    planned = defaultdict(lambda: [0, 0.0])
+    for t in collectives(setup, cfg.global_batch_size, run.coords["pp"]):
+        planned[t.kind][0] += t.calls
+        planned[t.kind][1] += t.payload_bytes
+    measured = defaultdict(lambda: [0, 0])
+    for c in run.collectives:
+        kind = "send" if c["kind"] == "recv" else c["kind"]  # a pipeline's and a ring's receives pair its sends
+        if c["kind"] != "recv":
+            measured[kind][0] += c["calls"]
+            measured[kind][1] += c["payload_bytes"]
+    for kind in sorted(set(planned) | set(measured)):
+        row(f"{kind} calls", planned[kind][0], measured[kind][0])
+        row(f"{kind} bytes", round(planned[kind][1]), measured[kind][1])
+    return out
+
+
+def held(strategy: str, world_size: int, model: str, **options) -> list[dict]:
+    """`rows` of every distinct role of one plan (`dryrun.plan`), dry-run here."""
+    from multigpu.dryrun import dry_runs, plan
+
+    cfg = plan(strategy, world_size, model, **options)
+    return [r for run in dry_runs(cfg) for r in rows(cfg, run)]
