@@ -3,6 +3,7 @@
     python -m multigpu run --strategy ddp --world-size 2 --model gpt-tiny --steps 20 [--json]
     python -m multigpu check --strategy ddp-scratch --world-size 4 [--json]
     python -m multigpu figures [--experiments NAME ...]
+    python -m multigpu dryrun --strategy fsdp --tp 8 --world-size 1024 --model configs/llama3-70b.json
     python -m multigpu estimate --model t5-large --strategy fsdp --world-size 4 --gpu-memory 32GiB --max-batch
 """
 
@@ -67,7 +68,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
 
 
-def _config(args) -> RunConfig:
+def _config(args, on_this_machine: bool = True) -> RunConfig:
     world_size = args.world_size if args.world_size is not None else (1 if args.strategy == "single" else 2)
     extra = {"sequence_parallel": True} if args.sequence_parallel else {}
     if args.hsdp_replicas is not None:
@@ -90,7 +91,7 @@ def _config(args) -> RunConfig:
         if cfg.strategy in STRATEGIES:
             global_batch_size = args.per_rank_batch_size * cfg.grid.dp  # the grid, checked
     cfg = cfg.replace(
-        global_batch_size=global_batch_size, grad_accum_steps=args.grad_accum_steps or d.grad_accum_steps,
+        global_batch_size=global_batch_size or 1, grad_accum_steps=args.grad_accum_steps or d.grad_accum_steps,
         seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
         activation_checkpointing=args.activation_checkpointing, dataset=args.dataset, seed=args.seed,
         device=args.device, bucket_cap_mb=args.bucket_cap_mb, threads_per_worker=args.threads_per_worker,
@@ -103,7 +104,9 @@ def _config(args) -> RunConfig:
         cfg, notes = with_strategy_defaults(cfg, chosen)
         for note in notes:
             print(f"multigpu: {note}", file=sys.stderr)
-    return cfg.validate()
+    if global_batch_size is None:  # dryrun's default: one sample per data-parallel rank and micro-batch
+        cfg = cfg.replace(global_batch_size=cfg.grid.dp * cfg.grad_accum_steps)
+    return cfg.validate(on_this_machine)
 
 
 def _mib(nbytes: float) -> str:
@@ -193,6 +196,40 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_dryrun(args) -> int:
+    """One step of a plan at its full size, on fake tensors and a fake process group (multigpu.dryrun), each
+    distinct rank's measurements beside the estimator's (multigpu.estimator.held)."""
+    from multigpu import dryrun
+    from multigpu.estimator.held import rows
+
+    if args.world_size is None:
+        raise ConfigError("dryrun needs --world-size: the ranks of the world planned (up to any size, e.g. 1024)")
+    cfg = _config(args, on_this_machine=False)
+    dryrun.plan(cfg.strategy, cfg.world_size, cfg.model)  # a strategy that cannot run this way, with the reason
+    runs = dryrun.dry_runs(cfg) if args.rank is None else [dryrun.dry_run(cfg, args.rank, f"rank {args.rank}")]
+    held = {run.rank: rows(cfg, run) for run in runs}
+    if args.json:
+        print(json.dumps([{**run.as_dict(), "estimator": held[run.rank]} for run in runs]))
+        return 0
+    print(f"{cfg.model}, {cfg.strategy} on {cfg.world_size} ranks {cfg.grid.as_dict()}, {cfg.global_batch_size} "
+          f"samples of {runs[0].seq_len} tokens per step in {cfg.grad_accum_steps} micro-batch(es): a dry run")
+    for run in runs:
+        print(f"\n{run.role} (rank {run.rank}, {run.coords}): {run.seconds:.2f} s, this process's resident peak "
+              f"{run.max_rss_bytes / 2**30:.2f} GiB")
+        print(f"  {'':<22}{'estimator':>16}{'dry run':>16}  difference")
+        for r in held[run.rank] or [{"category": c, "estimate": None, "dry_run": run.model_states[c],
+                                     "difference": None} for c in run.model_states]:
+            unit = (lambda x: f"{x:,}") if r["category"].endswith("calls") else (lambda x: _mib(x))
+            shown = [unit(x) if x is not None else "-" for x in (r["estimate"], r["dry_run"], r["difference"])]
+            print(f"  {r['category']:<22}{shown[0]:>16}{shown[1]:>16}  {shown[2] if r['difference'] else ''}")
+        for c in run.collectives:
+            print(f"  {c['kind']:<14} over {c['group_size']:>5} ranks: {c['calls']:>6,} calls, "
+                  f"{_mib(c['payload_bytes'])} handed in")
+    if not any(held.values()):
+        print("(the estimator does not model this strategy or option: measurements only)")
+    return 0
+
+
 def cmd_figures(args) -> int:
     from multigpu.experiments import EXPERIMENTS, ExperimentFailed, run_experiments
 
@@ -256,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
     chk.set_defaults(steps=3, optimizer="sgd-momentum", lr=0.05)
     chk.add_argument("--tolerance", type=float, default=1e-5)
     chk.set_defaults(func=cmd_check)
+    dry = sub.add_parser("dryrun", help="one step of a plan at any world size on fake tensors: what each rank holds "
+                         "and sends, beside the estimator's numbers")
+    _add_run_options(dry)
+    dry.set_defaults(global_batch_size=None, optimizer="adamw", func=cmd_dryrun)
+    dry.add_argument("--rank", type=int, default=None, help="this rank only (default: each distinct role: a "
+                     "pipeline's first, middle and last stage)")
     add_estimator_commands(sub)  # estimate, advise: multigpu.estimator.cli
     fig = sub.add_parser("figures", help="run the experiments behind the book's figures")
     fig.add_argument("--experiments", nargs="*", default=None, help="names (default: all; --list names them)")

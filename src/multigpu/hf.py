@@ -103,7 +103,8 @@ def build_causal_lm(config_path: str | Path, seed: int = 0) -> nn.Module:
         raise ConfigError(f"{config_file(config_path)}: model_type {config.model_type!r} is not a causal "
                           f"language model transformers can build ({str(err).splitlines()[0]}); "
                           "use a decoder such as 'llama'") from None
-    return model.float()
+    # already fp32 (from_config's dtype), kept as it is: a dry run's fake weights cannot be swapped for copies
+    return model if all(p.dtype == torch.float32 for p in model.parameters()) else model.float()
 
 
 def hf_loss(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -30,6 +30,7 @@ def rows(cfg: RunConfig, run) -> list[dict]:
     """One row per category: the estimate, the dry run's measurement, and whether they agree within the goal.
     Categories: params, grads, optimizer (bytes between steps); activations (the first micro-batch's at the end
     of its forward); and per collective kind its calls and its payload bytes in one step."""
+    from multigpu.errors import ConfigError
     from multigpu.estimator.peak import model_states
     from multigpu.estimator.share import rank_shares
     from multigpu.estimator.step_time import collectives
@@ -37,7 +38,10 @@ def rows(cfg: RunConfig, run) -> list[dict]:
     setup = setup_for(cfg)
     if setup is None:
         return []
-    share = rank_shares(setup)[run.coords["pp"] if cfg.grid.pp > 1 else 0]
+    try:
+        share = rank_shares(setup)[run.coords["pp"] if cfg.grid.pp > 1 else 0]
+    except ConfigError:  # a model the estimator does not know (a Llama's config.json): the dry run alone
+        return []
     out = []
 
     def row(category, estimate, measured, goal=0.0):
