@@ -64,7 +64,8 @@ def test_compute_is_six_flops_per_parameter_per_token_plus_attention():
     ("ddp", 1, 2),  # an all-reduce of the gradients: 2 Psi (N-1)/N
     ("zero1", 1, 2),  # a reduce-scatter of them and an all-gather of the new parameters: the same
     ("fsdp", 1, 3),  # parameters gathered for forward and again for backward, gradients reduce-scattered
-    ("fsdp", 2, 6),  # ... once per micro-batch
+    ("fsdp", 2, 5),  # gathered again for each micro-batch; the gradients summed unsharded until the last
+    # micro-batch's backward reduce-scatters them, once per step (FSDP2 under no_sync: a dry run counts it)
 ])
 def test_data_parallel_traffic_is_the_ring_rule(strategy, m, psis):
     psi = model_shape("gpt-small").parameters * 4  # fp32
@@ -74,10 +75,12 @@ def test_data_parallel_traffic_is_the_ring_rule(strategy, m, psis):
 
 def test_tensor_parallelism_sends_four_all_reduces_per_block_per_micro_batch():
     """Two forward and two backward per block, the embedding's forward and the head's
-    backward: (4L + 2) all-reduces of b s h values per micro-batch, 2(t-1)/t of each sent."""
+    backward: (4L + 2) all-reduces of b s h values per micro-batch, 2(t-1)/t of each sent; and
+    the cross-entropy of vocabulary-sharded logits: three of b s fp32 values (maximum, sum of
+    exponentials, the target's logit)."""
     t, m, b, s, h = 4, 2, 4, 128, 256
     time = step_time(Setup("gpt-small", "tp", t, seq_len=s, grad_accum_steps=m), m * b, machine(BYTES, 4))
-    assert math.isclose(time.comm_s["tp"], m * (4 * 6 + 2) * 2 * (t - 1) / t * b * s * h * 4)
+    assert math.isclose(time.comm_s["tp"], m * ((4 * 6 + 2) * b * s * h * 4 + 3 * b * s * 4) * 2 * (t - 1) / t)
 
 
 @pytest.mark.parametrize("strategy, p, m, share", [
@@ -201,7 +204,9 @@ def test_two_nodes_with_slow_links_train_with_a_pipeline_across_them(gpt):
     assert advice.case == "several nodes, slow links"
     assert advice.strategy in PIPELINES
     d = advice.plan.degrees
-    assert d["pp"] >= 2 and d["dp"] * d["tp"] == 8  # the stages split at the nodes: only activations cross
+    # the stages split at the nodes (no stage spans two): only activations cross, and the tied embedding's
+    # gradient between the first stage and the last
+    assert d["pp"] >= 2 and 8 % (d["dp"] * d["tp"]) == 0
     zero = advice.best_of("ZeRO")  # ZeRO-3's parameters and gradients cross the 100 Gb/s link
     assert zero.time.total_s > 1.2 * advice.plan.time.total_s
 

@@ -104,3 +104,10 @@ LLAMA3_405B_INTERRUPTIONS = Interruptions(
     "Llama Team, AI @ Meta 2024, The Llama 3 Herd of Models, arXiv:2407.21783, section 3.3.4 (\"During a 54-day "
     "snapshot period of pre-training, we experienced a total of 466 job interruptions ... 419 were unexpected\"; "
     "checkpoints \"ranging from 1 MB to 4 GB per GPU\"; \"higher than 90% effective training time\")")
+
+
+# torchtitan's Llama 3 70B on 256 H100s with FSDP 32 x TP 8, as its benchmark table reports the peak memory per GPU
+# (without and with asynchronous TP); batch, sequence and recomputation are the benchmark's own settings
+TORCHTITAN_70B_2D = {"gpus": 256, "fsdp": 32, "tp": 8, "peak_gib": 71.9, "peak_gib_async_tp": 67.6,
+                     "source": "pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (read at b5bcd76), "
+                               "table 4: Llama 3 70B, 2D on 256 H100s"}
