@@ -101,3 +101,16 @@ def test_out_of_memory_is_a_message(monkeypatch):
     monkeypatch.setattr(multigpu.models, "build_model", too_big)
     with pytest.raises(ConfigError, match="ran out of this machine's memory"):
         dry_run(plan("fsdp", 8, "gpt-small"))
+
+
+def test_the_advisor_dry_runs_its_plan(capsys):
+    """advise --dry-run: the recommended plan and the runner-up at their full size, measured beside the estimates;
+    a plan with no dry-runnable strategy says why instead."""
+    from multigpu.estimator.held import config_of
+    from multigpu.estimator.question import Setup
+
+    assert main(["advise", "--model", "gpt-small", "--gpus", "64", "--gpu-memory", "16GiB", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended, dry-run:" in out and "runner-up, dry-run:" in out and "over    64 ranks" in out
+    with pytest.raises(ConfigError, match="from-scratch stand-in takes no other degree"):
+        config_of(Setup("gpt-small", "pp-1f1b", 8, pp=4, grad_accum_steps=4), 16)

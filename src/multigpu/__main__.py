@@ -200,33 +200,21 @@ def cmd_dryrun(args) -> int:
     """One step of a plan at its full size, on fake tensors and a fake process group (multigpu.dryrun), each
     distinct rank's measurements beside the estimator's (multigpu.estimator.held)."""
     from multigpu import dryrun
-    from multigpu.estimator.held import rows
+    from multigpu.estimator.held import report, rows
 
     if args.world_size is None:
         raise ConfigError("dryrun needs --world-size: the ranks of the world planned (up to any size, e.g. 1024)")
     cfg = _config(args, on_this_machine=False)
     dryrun.plan(cfg.strategy, cfg.world_size, cfg.model)  # a strategy that cannot run this way, with the reason
     runs = dryrun.dry_runs(cfg) if args.rank is None else [dryrun.dry_run(cfg, args.rank, f"rank {args.rank}")]
-    held = {run.rank: rows(cfg, run) for run in runs}
     if args.json:
-        print(json.dumps([{**run.as_dict(), "estimator": held[run.rank]} for run in runs]))
+        print(json.dumps([{**run.as_dict(), "estimator": rows(cfg, run)} for run in runs]))
         return 0
     print(f"{cfg.model}, {cfg.strategy} on {cfg.world_size} ranks {cfg.grid.as_dict()}, {cfg.global_batch_size} "
           f"samples of {runs[0].seq_len} tokens per step in {cfg.grad_accum_steps} micro-batch(es): a dry run")
-    for run in runs:
-        print(f"\n{run.role} (rank {run.rank}, {run.coords}): {run.seconds:.2f} s, this process's resident peak "
-              f"{run.max_rss_bytes / 2**30:.2f} GiB")
-        print(f"  {'':<22}{'estimator':>16}{'dry run':>16}  difference")
-        for r in held[run.rank] or [{"category": c, "estimate": None, "dry_run": run.model_states[c],
-                                     "difference": None} for c in run.model_states]:
-            unit = (lambda x: f"{x:,}") if r["category"].endswith("calls") else (lambda x: _mib(x))
-            shown = [unit(x) if x is not None else "-" for x in (r["estimate"], r["dry_run"], r["difference"])]
-            print(f"  {r['category']:<22}{shown[0]:>16}{shown[1]:>16}  {shown[2] if r['difference'] else ''}")
-        for c in run.collectives:
-            print(f"  {c['kind']:<14} over {c['group_size']:>5} ranks: {c['calls']:>6,} calls, "
-                  f"{_mib(c['payload_bytes'])} handed in")
-    if not any(held.values()):
-        print("(the estimator does not model this strategy or option: measurements only)")
+    print("\n".join(report(cfg, runs)))
+    if not any(rows(cfg, run) for run in runs):
+        print("(the estimator does not model this strategy, option or model: measurements only)")
     return 0
 
 

@@ -121,7 +121,29 @@ def cmd_advise(args) -> int:
         print(f"    {row['family']:<9} {row['plan']:<40} {row['GiB per GPU']:6.1f} GiB  "
               + (f"{row['s per step']:.3g} s per step" if row["fits"] else "does not fit"))
     print("  machine: " + "; ".join(describe(advice.machine)))
+    if args.dry_run:
+        _dry_run_plans(advice)
     return 0
+
+
+def _dry_run_plans(advice) -> None:
+    """The recommended plan and the runner-up, dry-run at their full size (multigpu.dryrun), their measurements
+    beside the estimates the advice rests on."""
+    from multigpu.estimator.held import config_of, report
+
+    for title, plan in (("recommended", advice.plan), ("runner-up", advice.plans[1] if len(advice.plans) > 1
+                                                       else None)):
+        if plan is None:
+            continue
+        print(f"\n{title}, dry-run: {plan.label} on {plan.setup.world_size} ranks")
+        try:
+            cfg = config_of(plan.setup, plan.global_batch)
+        except ConfigError as e:
+            print(f"  not dry-run: {e}")
+            continue
+        from multigpu.dryrun import dry_runs
+
+        print("\n".join("  " + line for line in report(cfg, dry_runs(cfg))))
 
 
 CUDA_CONTEXT_HELP = ("memory the CUDA context takes on each GPU, counted in 'other'; default 500MiB with "
@@ -225,4 +247,7 @@ def add_estimator_commands(sub) -> None:
     adv.add_argument("--target-len", type=int, default=None)
     adv.add_argument("--activation-checkpointing", action="store_true")
     adv.add_argument("--json", action="store_true")
+    adv.add_argument("--dry-run", action="store_true", help="also run the recommended plan and the runner-up at "
+                     "their full size on fake tensors (python -m multigpu dryrun) and print what they hold and send "
+                     "beside the estimates")
     adv.set_defaults(func=cmd_advise)

@@ -73,6 +73,54 @@ def rows(cfg: RunConfig, run) -> list[dict]:
     return out
 
 
+# the strategies the estimator names whose package versions cannot dry-run (dryrun.CANNOT), and the ones that run
+# the same collectives on the same shares in their place
+STAND_INS = {"ddp": "ddp-scratch", "pp-gpipe": "pp-gpipe-scratch", "pp-1f1b": "pp-1f1b-scratch"}
+
+
+def config_of(setup: Setup, global_batch: int) -> RunConfig:
+    """The dry run of an estimator's plan (the advisor's): its strategy, or the stand-in that issues the same
+    collectives, on its grid, at its batch; a plan no package strategy can dry-run is a ConfigError saying why."""
+    from multigpu.config import DTYPES
+    from multigpu.dryrun import CANNOT, plan
+    from multigpu.errors import ConfigError
+
+    strategy = STAND_INS.get(setup.strategy, setup.strategy)
+    grid = setup.grid
+    if strategy.endswith("-scratch") and strategy.startswith("pp-") and (grid.dp > 1 or grid.tp > 1):
+        raise ConfigError(f"{setup.strategy} with dp or tp cannot be dry-run: {CANNOT[setup.strategy]}, and its "
+                          "from-scratch stand-in takes no other degree")
+    if setup.dtype not in DTYPES:
+        raise ConfigError(f"{setup.dtype} is the estimator's accounting of DeepSpeed-style mixed precision; the "
+                          f"package trains {', '.join(DTYPES)}, so a dry run cannot run it")
+    return plan(strategy, setup.world_size, setup.model, tp=grid.tp, pp=grid.pp if strategy.startswith("pp-") else 1,
+                cp=grid.cp, seq_len=setup.seq_len, dtype=setup.dtype, optimizer=setup.optimizer,
+                activation_checkpointing=setup.activation_checkpointing, grad_accum_steps=setup.grad_accum_steps,
+                global_batch_size=global_batch, bucket_cap_mb=setup.bucket_cap_mb,
+                **({"ep": grid.ep} if strategy == "ep-scratch" else {}))
+
+
+def report(cfg: RunConfig, runs) -> list[str]:
+    """Lines of text: each dry-run rank's measurements beside the estimator's, and its collectives."""
+    def mib(x):
+        return f"{x / 2**20:,.2f} MiB"
+
+    lines = []
+    for run in runs:
+        lines.append(f"{run.role} (rank {run.rank}, {run.coords}): dry run {run.seconds:.2f} s, this process's "
+                     f"resident peak {run.max_rss_bytes / 2**30:.2f} GiB")
+        lines.append(f"  {'':<22}{'estimator':>16}{'dry run':>16}  difference")
+        for r in rows(cfg, run) or [{"category": c, "estimate": None, "dry_run": run.model_states[c],
+                                     "difference": None} for c in run.model_states]:
+            unit = (lambda x: f"{x:,}") if r["category"].endswith("calls") else mib
+            shown = [unit(x) if x is not None else "-" for x in (r["estimate"], r["dry_run"], r["difference"])]
+            lines.append(f"  {r['category']:<22}{shown[0]:>16}{shown[1]:>16}  {shown[2] if r['difference'] else ''}")
+        for c in run.collectives:
+            lines.append(f"  {c['kind']:<14} over {c['group_size']:>5} ranks: {c['calls']:>6,} calls, "
+                         f"{mib(c['payload_bytes'])} handed in")
+    return lines
+
+
 def held(strategy: str, world_size: int, model: str, **options) -> list[dict]:
     """`rows` of every distinct role of one plan (`dryrun.plan`), dry-run here."""
     from multigpu.dryrun import dry_runs, plan
