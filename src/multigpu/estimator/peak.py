@@ -29,7 +29,7 @@ from multigpu.estimator.question import (
     check_setup,
     data_parallel_kind,
 )
-from multigpu.estimator.share import RankShare, _traced, bf16_weights, rank_shares
+from multigpu.estimator.share import RankShare, _traced, bf16_weights, rank_shares, sharded_elements
 from multigpu.memory import CATEGORIES, zero_model_states
 
 
@@ -59,7 +59,9 @@ def model_states(setup: Setup, share: RankShare | None = None) -> dict[str, int]
         return max((model_states(setup, s) for s in rank_shares(setup)), key=lambda states: sum(states.values()))
     stage = _zero_stage(setup)
     accounting = "bf16-master" if setup.dtype == "bf16-master" else "fp32"  # autocast keeps fp32 weights
-    states = zero_model_states(share.parameters, setup.replicas if stage else 1, stage, setup.optimizer,
+    padded = sharded_elements(setup, share)  # a rank's share with its padding, where the layout decides it
+    n = setup.replicas if stage else 1
+    states = zero_model_states(share.parameters if padded is None else padded * n, n, stage, setup.optimizer,
                                accounting)
     states = {k: math.ceil(v) for k, v in states.items()}
     if setup.offload_optimizer:

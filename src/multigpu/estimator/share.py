@@ -11,6 +11,7 @@ alive at once. `multigpu.estimator.peak` puts a step's peak together from these 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -176,3 +177,84 @@ def _tp_block_values(parts: GPTParts, sequence_parallel: bool) -> tuple[int, int
         return 2 * h, cut + 2 * h + 4
     return 4 * h + 4, cut
 
+
+
+# -- where the layout of the tensors, not only their sum, decides: padding and buckets ------------------------------
+# (held against dry runs of the strategies' own code: multigpu.estimator.held)
+
+
+@lru_cache(maxsize=32)
+def _layout(model: str) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None:
+    import torch
+
+    from multigpu.estimator.model_trace import _build
+    from multigpu.models import transformer_blocks
+
+    if model_shape(model).vocab_size is None:
+        return None
+    with torch.device("meta"):
+        built, _ = _build(model)
+    rows = tuple((p.shape[0], p[0].numel()) if p.dim() else (1, 1) for p in dict.fromkeys(built.parameters()))
+    return rows, tuple(sum(p.numel() for p in b.parameters()) for b in transformer_blocks(built))
+
+
+def tensor_rows(model: str) -> tuple[tuple[int, int], ...] | None:
+    """Each parameter tensor of `model` once, in registration order, as (rows, elements per row); None for a bare
+    parameter count."""
+    layout = _layout(model)
+    return layout and layout[0]
+
+
+def block_sizes(model: str) -> tuple[int, ...] | None:
+    """The parameters of each of `model`'s blocks (a T5's decoder blocks are larger than its encoder's)."""
+    layout = _layout(model)
+    return layout and layout[1]
+
+
+def sharded_elements(setup: Setup, share: RankShare) -> int | None:
+    """Elements one rank keeps of a model sharded over n ranks, padding included; None where the even share
+    ⌈P/n⌉ is the answer or the layout is not known.
+    - FSDP2 cuts each tensor along its first dimension: ⌈rows/n⌉ rows a rank (a tensor of fewer rows than ranks
+      leaves most of them a row of padding);
+    - this package's ZeRO-3 pads each unit's flat buffer (a block, the rest) to a multiple of n."""
+    kind, grid, n = data_parallel_kind(setup), setup.grid, setup.replicas
+    if grid.tp > 1 or grid.pp > 1 or grid.ep > 1 or n == 1:
+        return None
+    if kind == "fsdp" and (rows := tensor_rows(setup.model)):
+        return sum(math.ceil(r / n) * c for r, c in rows)
+    if kind == "zero3" and share.blocks and (blocks := block_sizes(setup.model)):
+        return sum(math.ceil(b / n) for b in blocks) + math.ceil(share.outside_blocks / n)
+    return None
+
+
+def gradient_buckets(setup: Setup, width: int) -> int:
+    """Buckets of gradients DDP's rule makes: backward's order (the last parameters first), a new bucket once the
+    one filling holds `bucket_cap_mb` or more (a bucket overfills by up to one tensor, and never splits one)."""
+    rows, cap = tensor_rows(setup.model), setup.bucket_cap_mb * 2**20
+    if rows is None or setup.grid.tp > 1 or setup.grid.pp > 1 or setup.grid.ep > 1:
+        return max(1, math.ceil(model_shape(setup.model).parameters * width / cap))
+    count, filled = 1, 0
+    for r, c in reversed(rows):
+        if filled >= cap:
+            count, filled = count + 1, 0
+        filled += r * c * width
+    return count
+
+
+def zero2_reduces(setup: Setup, width: int) -> int | None:
+    """This package's ZeRO-2 (strategies/zero.py): buckets of contiguous parameters in backward's order, each at
+    most the cap and one shard, sent to every rank whose shard it reaches, a reduce per rank reached."""
+    rows, n = tensor_rows(setup.model), setup.replicas
+    if rows is None or setup.grid.tp > 1 or setup.grid.pp > 1:
+        return None
+    numels = [r * c for r, c in rows]
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    shard = math.ceil(sum(numels) / n)
+    cap = min(setup.bucket_cap_mb * 2**20 / width, shard)
+    buckets: list[list[int]] = []  # [start, end]
+    for i in reversed(range(len(numels))):
+        if buckets and buckets[-1][1] - starts[i] <= cap:
+            buckets[-1][0] = starts[i]
+        else:
+            buckets.append([starts[i], starts[i] + numels[i]])
+    return sum((end - 1) // shard - start // shard + 1 for start, end in buckets)

@@ -25,7 +25,7 @@ from multigpu.errors import ConfigError
 from multigpu.estimator.machines import GPU, Link, Machine
 from multigpu.estimator.model_trace import gpt_parts, model_shape
 from multigpu.estimator.question import PIPELINES, Setup, data_parallel_kind
-from multigpu.estimator.share import bf16_weights, rank_shares
+from multigpu.estimator.share import bf16_weights, gradient_buckets, rank_shares, sharded_elements, zero2_reduces
 from multigpu.strategy_table import STRATEGY_TABLE
 
 
@@ -131,9 +131,11 @@ def collectives(setup: Setup, global_batch: int, pipeline_rank: int | None = Non
     weight_width = 2 if bf16_weights(setup) else 4  # what ZeRO-3 gathers (FSDP's mixed precision: bf16 copies)
     act_width = 2 if setup.dtype != "fp32" else 4  # activations between layers and stages
     if n > 1:  # the data-parallel collectives, once per step or per micro-batch, over dp x cp ranks
-        grads, weights, units = params * grad_width, params * weight_width, max(s.blocks for s in shares) + 1
-        buckets = max(1, math.ceil(grads / (setup.bucket_cap_mb * 2**20)))  # gradients go in buckets
         run = data_parallel_kind(setup)
+        if run in ("fsdp", "zero3") and (padded := sharded_elements(setup, shares[0])):
+            params = padded * n  # what the shards hold, padding included, is what is gathered and scattered
+        grads, weights, units = params * grad_width, params * weight_width, max(s.blocks for s in shares) + 1
+        buckets = gradient_buckets(setup, grad_width)  # DDP's gradients go in buckets
         behind = STRATEGY_TABLE[run].overlap if run in STRATEGY_TABLE else "none"  # pp-fsdp: none
         dp_traffic = lambda kind, payload, calls, size=n, stride=tp, hides=behind: Traffic(  # noqa: E731
             "dp", kind, payload, size, stride, calls, hides)
@@ -143,20 +145,21 @@ def collectives(setup: Setup, global_batch: int, pipeline_rank: int | None = Non
                     dp_traffic("all_reduce", routed, buckets, n // grid.ep, grid.ep)]
         elif run == "ddp":
             out.append(dp_traffic("all_reduce", grads, buckets))
-        elif run == "zero1":
-            out += [dp_traffic("reduce_scatter", grads, buckets), dp_traffic("all_gather", grads / n, buckets)]
+        elif run == "zero1":  # one flat buffer: one reduce-scatter after backward, one all-gather after the step
+            out += [dp_traffic("reduce_scatter", grads, 1), dp_traffic("all_gather", grads / n, 1)]
         elif run == "zero2":  # each full bucket's pieces reduced to the ranks that own them (strategies/zero.py):
-            # a reduce-scatter's bytes, in a call per owner a bucket reaches (at least one per bucket); it keeps
-            # only its gradient shard between micro-batches
-            out += [dp_traffic("reduce", m * grads, m * buckets),
+            # a reduce-scatter's bytes, in a call per owner a bucket reaches; it keeps only its gradient shard
+            # between micro-batches
+            reduces = zero2_reduces(setup, grad_width) or buckets
+            out += [dp_traffic("reduce", m * grads, m * reduces),
                     # the updated parameters' all-gather follows the optimizer step: it does not hide
-                    dp_traffic("all_gather", grads / n, buckets, hides="none")]
+                    dp_traffic("all_gather", grads / n, 1, hides="none")]
         elif run in ("zero3", "fsdp"):
             gathers = 1 if (run == "fsdp" and not setup.reshard_after_forward) else 2  # per micro-batch, per unit
             if run == "zero3":  # ours keeps the root unit (the embeddings, the head) gathered through the step,
                 # and its gradient whole until the step's last backward: once per step
-                outside = max(s.outside_blocks for s in shares)
-                blocks = units - 1
+                share, blocks = shares[0], units - 1
+                outside = math.ceil(share.outside_blocks / n) * n if blocks else params  # its flat buffer, padded
                 out += [dp_traffic("all_gather", (m * 2 * (params - outside) + outside) * weight_width / n,
                                    m * 2 * blocks + 1),
                         dp_traffic("reduce_scatter", (m * (params - outside) + outside) * grad_width, m * blocks + 1)]
