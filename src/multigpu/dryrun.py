@@ -15,7 +15,7 @@ makes what a strategy makes once (the optimizer's state, its buffers), the secon
 - the model states it keeps between steps, by category, counted from the tensors the strategy really made
   (`memory.model_state_bytes`: a DTensor's local shard, a flat buffer once);
 - the activations the step's first micro-batch leaves for backward, at the end of its forward (weights a
-  collective gathered counted apart);
+  collective gathered counted apart); under a pipeline's schedule, the most alive at the end of any forward;
 - every collective the strategy issued (the package's `CommCounter`), with its group's size and payload;
 - the seconds it took on this CPU.
 
@@ -76,7 +76,9 @@ class DryRun:
     seq_len: int
     grad_accum_steps: int
     model_states: dict  # params, grads, optimizer: bytes kept between steps
-    forward_saved: int | None  # activations alive at the end of the first micro-batch's forward (None: a pipeline)
+    # activations alive at the end of the first micro-batch's forward; under a pipeline's schedule, the most alive
+    # at the end of any forward (its micro-batches in flight)
+    forward_saved: int | None
     forward_gathered: int | None  # weights a collective gathered still alive then (FSDP's, ZeRO-3's)
     collectives: list  # {"kind", "group_size", "calls", "payload_bytes"}, by kind and group size
     seconds: float
@@ -178,8 +180,15 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
             def at_forward(i):
                 if i == 0:
                     before.update(k for k, (ref, _) in tracker.refs.items() if not ref.expired())
+            def after_forward(*_):  # a pipeline: the most its schedule holds at once, at the end of each forward
+                now = _alive(tracker, skip=_storages_of_grads(par))
+                if now["computed"] > forward.get("computed", -1):
+                    forward.update(now)
+            hook = par.module.register_forward_hook(after_forward) if par.train_step else None
             with _NewStorages(held) as tracker, CommCounter(world) as comm:
                 par.run_step(batches, autocast, at_forward)
+            if hook:
+                hook.remove()
             states = model_state_bytes(par.module, par.optimizer)
     except MemoryError:
         raise ConfigError(f"the dry run of {cfg.strategy} on {world} ranks ran out of this machine's memory "

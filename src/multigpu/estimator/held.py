@@ -55,7 +55,8 @@ def rows(cfg: RunConfig, run) -> list[dict]:
     states = model_states(setup, share)
     for c in STATES:
         row(c, states[c], run.model_states[c])
-    estimated = None if share.activations is None else round(share.activations.saved(run.micro_batch))
+    # one micro-batch's, times those a pipeline's schedule holds at once on this rank
+    estimated = None if share.activations is None else round(share.in_flight * share.activations.saved(run.micro_batch))
     row("activations", estimated, run.forward_saved, ACTIVATION_GOAL)
     planned = defaultdict(lambda: [0, 0.0])
     for t in collectives(setup, cfg.global_batch_size, run.coords["pp"]):
