@@ -55,21 +55,33 @@ def flops_per_sample(setup: Setup) -> float:
     shape = model_shape(setup.model)
     tokens = setup.seq_len if shape.family != "t5" else (setup.seq_len + (setup.target_len or setup.seq_len)) / 2
     per_param, per_attention = (8, 16) if setup.activation_checkpointing else (6, 12)
-    attention = 0.0
-    if shape.family == "gpt":
-        parts = gpt_parts(setup.model)
-        attention = per_attention * parts.layers * parts.d_model * tokens
+    layers, width = attention_dims(setup.model)
+    attention = per_attention * layers * width * tokens
     return (per_param * shape.active_parameters + attention) * tokens  # a mixture of experts: k of E experts
+
+
+def attention_dims(model: str) -> tuple[int, int]:
+    """(layers, the width of their queries) of a decoder's causal self-attention: the package's GPT, or a Hugging
+    Face decoder's config (grouped keys and values do not change the scores' FLOPs); (0, 0) for T5."""
+    family = model_shape(model).family
+    if family == "gpt":
+        parts = gpt_parts(model)
+        return parts.layers, parts.d_model
+    if family == "causal-lm":
+        from multigpu.models import read_config_file
+
+        config = read_config_file(model)
+        return config["num_hidden_layers"], config.get("num_attention_heads", 0) * config.get(
+            "head_dim", config["hidden_size"] // max(1, config.get("num_attention_heads", 1)))
+    return 0, 0
 
 
 def attention_share(setup: Setup) -> float:
     """The share of a step's FLOPs that attention's scores and weighted sums take (the 12 L h s
     per token of flops_per_sample): what a context-parallel ring's transfers can hide behind."""
-    if model_shape(setup.model).family != "gpt":
-        return 0.0
-    parts = gpt_parts(setup.model)
+    layers, width = attention_dims(setup.model)
     per_attention = 16 if setup.activation_checkpointing else 12
-    return per_attention * parts.layers * parts.d_model * setup.seq_len**2 / flops_per_sample(setup)
+    return per_attention * layers * width * setup.seq_len**2 / flops_per_sample(setup)
 
 
 def group_link(machine: Machine, size: int, stride: int) -> tuple[Link, float]:
