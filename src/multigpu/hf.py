@@ -87,7 +87,7 @@ def load_config(config_path: str | Path):
 
 
 def build_causal_lm(config_path: str | Path, seed: int = 0) -> nn.Module:
-    """AutoModelForCausalLM from a config.json, random weights from `seed`, fp32, no
+    """AutoModelForCausalLM from a config.json, random weights from `seed`, in the default dtype (fp32), no
     dropout, no cache. The same seed gives the same weights in every process."""
     from transformers import AutoModelForCausalLM
 
@@ -97,14 +97,15 @@ def build_causal_lm(config_path: str | Path, seed: int = 0) -> nn.Module:
             setattr(config, name, 0.0)
     config.use_cache = False
     torch.manual_seed(seed)
+    default = torch.get_default_dtype()  # fp32 to train; bf16 where the estimator traces a model's bf16 weights
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=default)
     except ValueError as err:  # e.g. an encoder-only or encoder-decoder architecture
         raise ConfigError(f"{config_file(config_path)}: model_type {config.model_type!r} is not a causal "
                           f"language model transformers can build ({str(err).splitlines()[0]}); "
                           "use a decoder such as 'llama'") from None
-    # already fp32 (from_config's dtype), kept as it is: a dry run's fake weights cannot be swapped for copies
-    return model if all(p.dtype == torch.float32 for p in model.parameters()) else model.float()
+    # already in the default dtype (from_config's), kept as it is: a dry run's fake weights cannot be swapped
+    return model if all(p.dtype == default for p in model.parameters()) else model.to(default)
 
 
 def hf_loss(model: nn.Module, batch: dict) -> torch.Tensor:

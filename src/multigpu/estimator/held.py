@@ -31,7 +31,7 @@ def rows(cfg: RunConfig, run) -> list[dict]:
     Categories: params, grads, optimizer (bytes between steps); activations (the first micro-batch's at the end
     of its forward); and per collective kind its calls and its payload bytes in one step."""
     from multigpu.errors import ConfigError
-    from multigpu.estimator.peak import model_states
+    from multigpu.estimator.peak import forward_saved, model_states
     from multigpu.estimator.share import rank_shares
     from multigpu.estimator.step_time import collectives
 
@@ -56,7 +56,8 @@ def rows(cfg: RunConfig, run) -> list[dict]:
     for c in STATES:
         row(c, states[c], run.model_states[c])
     # one micro-batch's, times those a pipeline's schedule holds at once on this rank
-    estimated = None if share.activations is None else round(share.in_flight * share.activations.saved(run.micro_batch))
+    estimated = None if share.activations is None else round(share.in_flight * forward_saved(setup, share,
+                                                                                             run.micro_batch))
     row("activations", estimated, run.forward_saved, ACTIVATION_GOAL)
     planned = defaultdict(lambda: [0, 0.0])
     for t in collectives(setup, cfg.global_batch_size, run.coords["pp"]):

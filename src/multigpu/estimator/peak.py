@@ -139,6 +139,17 @@ def _per_rank_batch(setup: Setup, global_batch: int) -> int:
 STEP_PHASE = "optimizer step"  # the phase an optimizer's step temporaries make (none for SGD)
 
 
+def forward_saved(setup: Setup, share: RankShare, b: int) -> float:
+    """One micro-batch's activations at the end of its forward, as training keeps them: the trace's, less the
+    logits a Hugging Face model hands back with its loss (T5's, a causal LM's), which training drops once the
+    loss is computed; a causal LM's come out of autocast in its dtype (held against dry runs: estimator/held)."""
+    cost, family = share.activations, model_shape(setup.model).family
+    returned = cost.logits_per_sample * b if family in ("t5", "causal-lm") else 0
+    if family == "causal-lm" and setup.dtype in ("bf16-mixed", "fp16-mixed"):
+        returned /= 2
+    return cost.saved(b) - returned
+
+
 def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, dict[str, float]]:
     """What a rank holds, by category, at the moments one of which is the peak:
     - "forward": the end of forward, every saved activation alive (a pipeline's micro-batches
@@ -153,13 +164,11 @@ def _phases(setup: Setup, share: RankShare, states: dict, b: int) -> dict[str, d
       encoder-decoder: when the decoder's embedding is, the encoder's activations still alive);
     - "optimizer step" (Adam, AdamW): the step's temporaries beside every model state
       (optimizer_step_temporary)."""
-    shape = model_shape(setup.model)
     width = 2 if setup.dtype == "bf16-master" else 4  # bytes of a parameter, and of its gradient
     psi, n, s = share.parameters * width, setup.replicas, data_parallel_kind(setup)
     in_bf16 = bf16_weights(setup)
     cost = share.activations
-    # T5's logits are freed before backward
-    one = cost.saved(b) - (cost.logits_per_sample * b if shape.family == "t5" else 0)
+    one = forward_saved(setup, share, b)
     saved = share.in_flight * one
     tail, last_block = cost.freed_first(b)
     loss = share.loss_tensors * cost.logits_per_sample * b  # the loss's gradient: log-probabilities and logits
