@@ -12,9 +12,10 @@ from multigpu.errors import ConfigError
 from multigpu.estimator.held import held, rows
 from multigpu.models import parameter_count
 
-# (role, category) -> the difference over the goal not yet explained, and the bound it is held to meanwhile
-OPEN = {("middle stage", "activations"): ("a middle pipeline stage holds 5-10% less per micro-batch than the "
-                                          "estimate (about 1.5 hidden states of a sample): cause not yet found", 0.12)}
+# (strategy, category) -> a difference over the goal the estimator does not model, and the bound it is held to
+OPEN = {("pp-1f1b-scratch", "activations"): (
+    "at the end of a forward a 1F1B stage also holds the buffers of transfers in flight (a gradient received "
+    "for a coming backward, one being sent back), which the estimator files under 'other'", 0.12)}
 
 PLANS = [  # every strategy that can dry-run, at the largest world gpt-small's shape lets it take
     ("zero1", 1024, {}), ("zero2", 64, {}), ("zero3", 1024, {"grad_accum_steps": 2}),
@@ -29,7 +30,7 @@ def test_the_estimator_equals_the_dry_run(strategy, world, options):
     found = held(strategy, world, "gpt-small", **options)
     assert found, "the estimator models every plan here"
     wrong = [r for r in found if r["within_goal"] is False
-             and not ((r["role"], r["category"]) in OPEN and abs(r["relative"]) <= OPEN[r["role"], r["category"]][1])]
+             and not ((strategy, r["category"]) in OPEN and abs(r["relative"]) <= OPEN[strategy, r["category"]][1])]
     assert not wrong, [(r["role"], r["category"], r["estimate"], r["dry_run"]) for r in wrong]
     assert any(r["category"] == "activations" and r["within_goal"] for r in found)
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from multigpu.comm import OP_KINDS
 from multigpu.config import RunConfig
 from multigpu.errors import ConfigError
 
@@ -229,7 +230,7 @@ def _tensors(par) -> list[torch.Tensor]:
 
 
 class _NewStorages(TorchDispatchMode):
-    """Every storage an operator makes during the step (outside `held`), and whether a collective made it."""
+    """Every storage an operator makes during the step (outside `held`), and whether an all-gather made it."""
 
     def __init__(self, held: set):
         super().__init__()
@@ -240,14 +241,16 @@ class _NewStorages(TorchDispatchMode):
         from torch.utils._pytree import tree_flatten
 
         out = func(*args, **(kwargs or {}))
-        made_by = "gathered" if func.namespace in ("c10d", "_c10d_functional") else "computed"
+        # an all-gather's output holds weights (FSDP's, ZeRO-3's); what a pipeline stage receives is an activation
+        gathers = func.namespace in ("c10d", "_c10d_functional") and OP_KINDS.get(func._opname) == "all_gather"
+        made_by = "gathered" if gathers else "computed"
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not hasattr(t, "_local_tensor"):
                 storage = t.untyped_storage()
                 key = storage._cdata
                 if key not in self.held and (key not in self.refs or self.refs[key][0].expired()):
                     self.refs[key] = (StorageWeakRef(storage), made_by)
-        if func.namespace in ("c10d", "_c10d_functional"):  # a collective's output passed in (all_gather_into_tensor)
+        if gathers:  # the output passed in (all_gather_into_tensor)
             for t in tree_flatten(args)[0]:
                 if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in self.refs:
                     self.refs[t.untyped_storage()._cdata] = (self.refs[t.untyped_storage()._cdata][0], "gathered")
