@@ -211,7 +211,7 @@ def cmd_dryrun(args) -> int:
         print(json.dumps([{**run.as_dict(), "estimator": rows(cfg, run)} for run in runs]))
         return 0
     print(f"{cfg.model}, {cfg.strategy} on {cfg.world_size} ranks {cfg.grid.as_dict()}, {cfg.global_batch_size} "
-          f"samples of {runs[0].seq_len} tokens per step in {cfg.grad_accum_steps} micro-batch(es): a dry run")
+          f"sample(s) of {runs[0].seq_len} tokens per step in {cfg.grad_accum_steps} micro-batch(es): a dry run")
     print("\n".join(report(cfg, runs)))
     if not any(rows(cfg, run) for run in runs):
         print("(the estimator does not model this strategy, option or model: measurements only)")
