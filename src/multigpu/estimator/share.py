@@ -218,13 +218,48 @@ def sharded_elements(setup: Setup, share: RankShare) -> int | None:
       leaves most of them a row of padding);
     - this package's ZeRO-3 pads each unit's flat buffer (a block, the rest) to a multiple of n."""
     kind, grid, n = data_parallel_kind(setup), setup.grid, setup.replicas
-    if grid.tp > 1 or grid.pp > 1 or grid.ep > 1 or n == 1:
+    if grid.pp > 1 or grid.ep > 1 or n == 1:
+        return None
+    if kind == "fsdp" and grid.tp > 1 and model_shape(setup.model).family == "gpt":
+        # FSDP2 shards each tensor-parallel rank's local piece by its rows
+        return sum(math.ceil(r / n) * c for r, c in tp_local_rows(setup.model, grid.tp, setup.sequence_parallel))
+    if grid.tp > 1:
         return None
     if kind == "fsdp" and (rows := tensor_rows(setup.model)):
         return sum(math.ceil(r / n) * c for r, c in rows)
     if kind == "zero3" and share.blocks and (blocks := block_sizes(setup.model)):
         return sum(math.ceil(b / n) for b in blocks) + math.ceil(share.outside_blocks / n)
     return None
+
+
+@lru_cache(maxsize=32)
+def tp_local_rows(model: str, tp: int, sequence_parallel: bool) -> tuple[tuple[int, int], ...]:
+    """(rows, elements per row) of each parameter of the package's GPT as one tensor-parallel rank holds it, by
+    the library's plan (strategies/tp_plan.py: a ColwiseParallel layer and a RowwiseParallel embedding cut rows,
+    a RowwiseParallel linear cuts columns, the rest is whole)."""
+    import torch
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from multigpu.estimator.model_trace import _build
+    from multigpu.strategies.tp_plan import concrete_plan, gpt_plan, split_qkv
+
+    with torch.device("meta"):
+        built, _ = _build(model)
+        split_qkv(built)
+    cut = {}  # parameter -> the dimension tensor parallelism cuts
+    for name, style in concrete_plan(built, gpt_plan(sequence_parallel)).items():
+        module = built.get_submodule(name)
+        for pname, p in module.named_parameters(recurse=False):
+            if isinstance(style, ColwiseParallel) or (isinstance(style, RowwiseParallel)
+                                                      and isinstance(module, torch.nn.Embedding)):
+                cut[p] = 0
+            elif isinstance(style, RowwiseParallel) and pname == "weight":
+                cut[p] = 1
+    rows = []
+    for p in dict.fromkeys(built.parameters()):
+        r, per_row = (p.shape[0], p[0].numel()) if p.dim() else (1, 1)
+        rows.append((r // tp, per_row) if cut.get(p) == 0 else (r, per_row // tp) if cut.get(p) == 1 else (r, per_row))
+    return tuple(rows)
 
 
 def gradient_buckets(setup: Setup, width: int) -> int:

@@ -185,10 +185,22 @@ def collectives(setup: Setup, global_batch: int, pipeline_rank: int | None = Non
     activation = global_batch // (dp * m) * setup.seq_len * act_width * (
         gpt_parts(setup.model).d_model if tp > 1 or pp > 1 else 0)
     if tp > 1:  # per micro-batch: each block's two all-reduces forward and two backward (three and three
-        # when checkpointing recomputes the forward), the embedding's forward and the head's backward
-        per_block = 6 if setup.activation_checkpointing else 4
-        calls = m * (per_block * max(s.blocks for s in shares) + 2)
-        out.append(Traffic("tp", "all_reduce", calls * activation, tp, 1, calls))
+        # when checkpointing recomputes the forward), the embedding's forward and the head's backward; pipelines
+        # and the from-scratch tensor parallelism included
+        per_block, blocks = 6 if setup.activation_checkpointing else 4, max(s.blocks for s in shares)
+        if setup.sequence_parallel:  # each all-reduce becomes a reduce-scatter into the rank's slice of the
+            # sequence and an all-gather of the slices (the same bytes), and three more pairs: the token and the
+            # position embeddings' outputs, the head's input; the LayerNorms, whole on every rank, sum their
+            # gradients' partial sums (the weight and the bias of two per block and the last)
+            calls = m * (per_block * blocks + 3)
+            norms = (2 * blocks + 1) * 2
+            out += [Traffic("tp", "reduce_scatter", calls * activation, tp, 1, calls),
+                    Traffic("tp", "all_gather", calls * activation / tp, tp, 1, calls),
+                    Traffic("tp", "all_reduce", m * norms * gpt_parts(setup.model).d_model * grad_width, tp, 1,
+                            m * norms)]
+        else:
+            calls = m * (per_block * blocks + 2)
+            out.append(Traffic("tp", "all_reduce", calls * activation, tp, 1, calls))
         # the cross-entropy of vocabulary-sharded logits (loss_parallel, the default; tp-scratch's own): the
         # maximum, the sum of exponentials and the target's logit of every token, in fp32
         tokens = global_batch // (dp * m) * setup.seq_len
