@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from multigpu.comm import OP_KINDS
+from multigpu.comm import OP_KINDS, CommCounter
 from multigpu.config import RunConfig
 from multigpu.errors import ConfigError
+from multigpu.strategy_table import STRATEGIES
 
 # strategy -> why it cannot run on fake tensors and a fake group (the others all can)
 CANNOT = {
@@ -88,19 +89,13 @@ class DryRun:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def calls(self, kind: str | None = None) -> int:
-        return sum(c["calls"] for c in self.collectives if kind in (None, c["kind"]))
-
-    def payload(self, kind: str | None = None) -> int:
-        return sum(c["payload_bytes"] for c in self.collectives if kind in (None, c["kind"]))
-
 
 def plan(strategy: str, world_size: int, model: str, **options) -> RunConfig:
     """A RunConfig for a world this machine does not have, checked as a real run's is (the grid's arithmetic,
     the model's cuts), but not against this machine's cores and memory. The global batch defaults to one sample
     per data-parallel rank and micro-batch."""
     if strategy in CANNOT:
-        runs = ", ".join(s for s in _strategies() if s not in CANNOT)
+        runs = ", ".join(s for s in STRATEGIES if s not in CANNOT)
         raise ConfigError(f"strategy {strategy!r} cannot be dry-run: {CANNOT[strategy]}. Those that can: {runs}")
     cfg = RunConfig(strategy=strategy, world_size=world_size, model=model, **options)
     if "global_batch_size" not in options:
@@ -108,12 +103,6 @@ def plan(strategy: str, world_size: int, model: str, **options) -> RunConfig:
     if "optimizer" not in options:
         cfg.optimizer = "adamw"
     return cfg.validate(on_this_machine=False)
-
-
-def _strategies():
-    from multigpu.strategy_table import STRATEGIES
-
-    return STRATEGIES
 
 
 def roles(cfg: RunConfig) -> dict[str, int]:
@@ -136,11 +125,12 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
     """One step of `cfg` (from `plan`) as rank `rank` of its world, on fake tensors and a fake group."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils.data import default_collate
 
     from multigpu import moe, strategies
-    from multigpu.comm import CommCounter
+    from multigpu.data import TokenDataset
     from multigpu.memory import model_state_bytes
-    from multigpu.models import build_model, default_seq_len
+    from multigpu.models import build_model, default_seq_len, vocab_size
     from multigpu.runtime import RankGrid, Runtime
 
     world = cfg.processes
@@ -163,11 +153,24 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
             moe.configure(model, cfg.extra)
             par = strategies.prepare(model, cfg, rt)
             del model
-            batches = [_batch(cfg, micro, seq_len) for _ in range(cfg.grad_accum_steps)]
+            # one micro-batch of random ids, made as the training loop's loader makes it (the data set's layout,
+            # T5's decoder inputs too, collated into tensors of their own), used for every micro-batch
+            data = TokenDataset(cfg.model, "dummy", micro, seq_len, vocab_size(cfg.model), cfg.seed)
+            batches = [default_collate([data[i] for i in range(micro)])] * cfg.grad_accum_steps
             autocast = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(cfg.dtype)
             par.run_step(batches, autocast)  # the first step makes what is made once (optimizer state, buffers)
-            held = {t.untyped_storage()._cdata for t in _tensors(par)}
-            forward = {}
+            tracker = _NewStorages({t.untyped_storage()._cdata for t in _tensors(par)})
+            forward, before = {}, set()  # before: what the step made ahead of its first forward (a zeroed buffer)
+
+            def at_forward(i):
+                if i == 0:
+                    before.update(k for k, (ref, _) in tracker.refs.items() if not ref.expired())
+
+            def after_forward(*_):  # a pipeline: the most its schedule holds at once, at the end of each forward
+                now = _alive(tracker, skip=_storages_of_grads(par))
+                if now["computed"] > forward.get("computed", -1):
+                    forward.update(now)
+
             if par.train_step is None:  # the plain step: its first backward call is the end of a forward
                 backward = par.backward
 
@@ -176,17 +179,8 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
                         forward.update(_alive(tracker, skip=before | _storages_of_grads(par)))
                     return backward(loss)
                 par.backward = first_backward
-            before = set()  # what the step made before its first forward (a zeroed gradient buffer)
-
-            def at_forward(i):
-                if i == 0:
-                    before.update(k for k, (ref, _) in tracker.refs.items() if not ref.expired())
-            def after_forward(*_):  # a pipeline: the most its schedule holds at once, at the end of each forward
-                now = _alive(tracker, skip=_storages_of_grads(par))
-                if now["computed"] > forward.get("computed", -1):
-                    forward.update(now)
             hook = par.module.register_forward_hook(after_forward) if par.train_step else None
-            with _NewStorages(held) as tracker, CommCounter(world) as comm:
+            with tracker, CommCounter(world) as comm:
                 par.run_step(batches, autocast, at_forward)
             if hook:
                 hook.remove()
@@ -207,17 +201,6 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
                   {d: rt.grid.coord(d) for d in rt.grid.sizes}, role, micro, seq_len, cfg.grad_accum_steps,
                   states, forward.get("computed"), forward.get("gathered"), collectives,
                   time.perf_counter() - start, _max_rss())
-
-
-def _batch(cfg: RunConfig, micro: int, seq_len: int) -> dict:
-    from multigpu.models import family, vocab_size
-
-    vocab = vocab_size(cfg.model)
-    ids = torch.randint(vocab, (micro, seq_len))
-    if family(cfg.model) == "t5":
-        return {"input_ids": ids, "decoder_input_ids": torch.randint(vocab, (micro, seq_len)),
-                "labels": torch.randint(vocab, (micro, seq_len))}
-    return {"input_ids": ids, "labels": torch.randint(vocab, (micro, seq_len))}
 
 
 def _tensors(par) -> list[torch.Tensor]:
