@@ -93,6 +93,12 @@ def _build(model: str) -> tuple[nn.Module, str]:
         raise ConfigError(f"{e}{hint}") from None
 
 
+def meta_model(model: str) -> tuple[nn.Module, str]:
+    """(model, family) on the meta device: its modules and shapes, no storage."""
+    with torch.device("meta"):
+        return _build(model)
+
+
 def _fake_model(model: str, dtype: torch.dtype = torch.float32):
     """(model, family, mode) with fake weights of `dtype`: shapes only, nothing allocated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -123,8 +129,7 @@ def model_shape(model: str) -> ModelShape:
                           vocab_size=None, family=None)
     from multigpu.models import transformer_blocks
 
-    with torch.device("meta"):
-        built, family = _build(model)
+    built, family = meta_model(model)
     blocks = transformer_blocks(built)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     params = list(dict.fromkeys(built.parameters()))  # a tied weight once
@@ -169,8 +174,7 @@ def gpt_parts(model: str) -> GPTParts:
     """The parts of the package's GPT named by `model`, counted on the meta device."""
     from multigpu.models import GPT
 
-    with torch.device("meta"):
-        built, _ = _build(model)
+    built, _ = meta_model(model)
     if not isinstance(built, GPT):
         raise ConfigError(f"{model} is not the package's GPT: tensor and pipeline parallelism cut that model only")
     cfg, block = built.cfg, built.blocks["0"]

@@ -2,9 +2,10 @@
 not a measurement.
 
 `step_time` puts one training step together:
-- compute: 6 FLOPs per parameter per token (forward 2, backward 4), plus the attention's
-  12 L h s per token (the Ultra-Scale Playbook's count, as picotron's MFU uses it); 8 and
-  16 with activation checkpointing (the forward runs twice); at the machine's achieved FLOP/s;
+- compute: the FLOPs `estimator.flops` counts from the model's modules: 6 per weight per token
+  (forward 2, backward 4), plus the attention's 12 L h s per token (the Ultra-Scale Playbook's
+  count, as picotron's MFU uses it), and activation checkpointing's second forward of each
+  block; at the machine's achieved FLOP/s;
 - the collectives of each dimension of the rank grid on the link the placement puts them on,
   the part that cannot hide behind compute added to the step (the strategy table's
   `overlap`);
@@ -22,6 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from multigpu.errors import ConfigError
+from multigpu.estimator.flops import SampleFlops, sample_flops
 from multigpu.estimator.machines import GPU, Link, Machine
 from multigpu.estimator.model_trace import gpt_parts, model_shape
 from multigpu.estimator.question import PIPELINES, Setup, data_parallel_kind
@@ -49,39 +51,28 @@ class StepTime:
 
 
 def flops_per_sample(setup: Setup) -> float:
-    """FLOPs of forward and backward for one sample: 6 per (active) parameter per token plus the
-    attention's 12 L h s per token (8 and 16 when activation checkpointing runs forward
-    twice). T5: each half of the parameters sees one of the two lengths, taken as their mean."""
-    shape = model_shape(setup.model)
-    tokens = setup.seq_len if shape.family != "t5" else (setup.seq_len + (setup.target_len or setup.seq_len)) / 2
-    per_param, per_attention = (8, 16) if setup.activation_checkpointing else (6, 12)
-    layers, width = attention_dims(setup.model)
-    attention = per_attention * layers * width * tokens
-    return (per_param * shape.active_parameters + attention) * tokens  # a mixture of experts: k of E experts
+    """FLOPs of forward and backward for one sample as the machine runs them: the model's products counted
+    from its modules (`estimator.flops`: 6 per weight per token, attention's 12 L h s), activation checkpointing's
+    second forward included."""
+    return _sample_flops(setup).hardware(setup.activation_checkpointing)
 
 
-def attention_dims(model: str) -> tuple[int, int]:
-    """(layers, the width of their queries) of a decoder's causal self-attention: the package's GPT, or a Hugging
-    Face decoder's config (grouped keys and values do not change the scores' FLOPs); (0, 0) for T5."""
-    family = model_shape(model).family
-    if family == "gpt":
-        parts = gpt_parts(model)
-        return parts.layers, parts.d_model
-    if family == "causal-lm":
-        from multigpu.models import read_config_file
-
-        config = read_config_file(model)
-        return config["num_hidden_layers"], config.get("num_attention_heads", 0) * config.get(
-            "head_dim", config["hidden_size"] // max(1, config.get("num_attention_heads", 1)))
-    return 0, 0
+def _sample_flops(setup: Setup) -> SampleFlops:
+    return sample_flops(setup.model, setup.seq_len, setup.target_len)
 
 
 def attention_share(setup: Setup) -> float:
-    """The share of a step's FLOPs that attention's scores and weighted sums take (the 12 L h s
-    per token of flops_per_sample): what a context-parallel ring's transfers can hide behind."""
-    layers, width = attention_dims(setup.model)
-    per_attention = 16 if setup.activation_checkpointing else 12
-    return per_attention * layers * width * setup.seq_len**2 / flops_per_sample(setup)
+    """The share of a step's FLOPs that attention's scores and weighted sums take: what a context-parallel ring's
+    transfers can hide behind."""
+    flops = _sample_flops(setup)
+    return flops.attention * (4 if setup.activation_checkpointing else 3) / flops_per_sample(setup)
+
+
+def backward_share(setup: Setup) -> float:
+    """The share of a step's FLOPs that run in backward (a checkpointed block's second forward among them): what
+    data parallelism's gradient collectives can hide behind."""
+    flops = _sample_flops(setup)
+    return (flops_per_sample(setup) - flops.forward) / flops_per_sample(setup)
 
 
 def group_link(machine: Machine, size: int, stride: int) -> tuple[Link, float]:
@@ -254,8 +245,8 @@ def step_time(setup: Setup, global_batch: int, machine: Machine, overlap: bool =
     if setup.world_size != machine.gpus:
         raise ConfigError(f"{setup.strategy} on {setup.world_size} ranks, but {machine.name} has {machine.gpus} GPUs")
     compute = flops_per_sample(setup) * global_batch / (setup.world_size * machine.flops_per_s(setup.dtype))
-    backward = compute * (6 / 8 if setup.activation_checkpointing else 2 / 3)  # backward (and recompute) FLOPs
-    behind = {"backward": backward, "all": compute, "attention": compute * attention_share(setup)}
+    behind = {"backward": compute * backward_share(setup), "all": compute,
+              "attention": compute * attention_share(setup)}
     comm, hidden, exposed = defaultdict(float), defaultdict(float), defaultdict(float)
     from multigpu.strategies.pp import SCHEDULES
 

@@ -27,6 +27,7 @@ from multigpu.experiments.compositions import compositions
 from multigpu.experiments.context_parallel import cp_balance, cp_longest, cp_memory, cp_timeline, cp_variants
 from multigpu.experiments.data_parallel import ddp_buckets, ddp_learning, ddp_scaling, ddp_vs_scratch, dp_vs_ddp
 from multigpu.experiments.experts import moe_balance, moe_capacity, moe_ep
+from multigpu.experiments.limits import machine_limits
 from multigpu.experiments.machine import Job, on_gpus
 from multigpu.experiments.model_parallel import (
     pp_bubble,
@@ -46,6 +47,7 @@ from multigpu.experiments.sharding import fsdp_precision, largest_batch, offload
 from multigpu.launch import launch
 
 EXPERIMENTS = {
+    "machine_limits": machine_limits,
     "one_device_memory": one_device_memory,
     "one_device_techniques": one_device_techniques,
     "machine_peak": machine_peak,
