@@ -376,7 +376,9 @@ def _check_run_options(cfg: RunConfig) -> None:
     allocator may take from the GPU (torch.cuda.set_per_process_memory_fraction), as on a
     smaller GPU; CUDA runs only."""
     from multigpu.models import family
+    from multigpu.profiling import check_option
 
+    check_option(cfg.extra.get("profile"))  # the last step under torch's profiler: true, or a folder for the traces
     attention = cfg.extra.get("attention")
     if attention is not None:
         _choose("attention", attention, ATTENTION)

@@ -4,7 +4,8 @@ Steps 0 and 1 run under the memory tracker (step 0 creates the optimizer state, 
 steady-state step), step 2 under the communication counter (step 1 may still hold one-off
 set-up traffic) and, where every rank talks over this machine's loopback, between barriers
 that fence the wire's byte count; the steps after them are timed with nothing attached, so
-the measurement tools never slow down the times we report. Every step's wall time and the
+the measurement tools never slow down the times we report; a run that asks for a profile runs
+its last step under torch's profiler, untimed (multigpu.profiling). Every step's wall time and the
 process's memory peak (memory.ProcessPeaks) are read on every rank.
 """
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from multigpu.comm import CommCounter, loopback_tx_bytes
 from multigpu.memory import CATEGORIES, PeakMemoryTracker, ProcessPeaks, empty_breakdown
+from multigpu.profiling import StepProfiler
 from multigpu.progress import PROGRESS_MARK
 
 
@@ -39,6 +41,9 @@ class Instruments:
         self.track_memory = cfg.track_memory and not par.counts_own_memory
         self.last_tracked_step = min(1, steps - 1) if self.track_memory else -1
         self.comm_step = min(2, steps - 1)  # DDP re-plans its buckets on step 1 (a one-off broadcast)
+        # extra["profile"]: the last step runs under torch's profiler, untimed (multigpu.profiling)
+        self.profile_step = steps - 1 if cfg.extra.get("profile") else -1
+        self.profile = None
         # all ranks on this machine talking over gloo: their traffic is the loopback's traffic
         self.measure_wire = rt.backend == "gloo" and rt.world_size > 1 and loopback_tx_bytes() is not None
         self.memory_tracker, self.comm, self.loopback_bytes = None, None, None
@@ -67,10 +72,15 @@ class Instruments:
         _synchronize(self.rt.device)
         start = time.perf_counter()
         tracker = self.memory_tracker if step <= self.last_tracked_step else None
-        with counter:
+        profiling = step == self.profile_step
+        folder = self.cfg.extra["profile"] if profiling and self.cfg.extra["profile"] is not True else None
+        profiler = StepProfiler(self.rt.device, self.rt.rank, folder) if profiling else nullcontext()
+        with counter, profiler:
             yield (lambda i: tracker.next_forward()) if tracker else (lambda i: None)
-        _synchronize(self.rt.device)
+            _synchronize(self.rt.device)
         self.step_times_s.append(time.perf_counter() - start)
+        if profiling:
+            self.profile = profiler.result(self.step_times_s[-1])
         self.machine.end_step()
         if step == self.last_tracked_step:
             self._tracking.close()
@@ -90,7 +100,8 @@ class Instruments:
     def results(self) -> dict:
         """The step time (median of the steps nothing was attached to), memory and traffic."""
         times, tracker, comm, own = self.step_times_s, self.memory_tracker, self.comm, self.par.counts_own_memory
-        untracked = [t for s, t in enumerate(times) if s > max(self.last_tracked_step, self.comm_step, 0)]
+        untracked = [t for s, t in enumerate(times)
+                     if s > max(self.last_tracked_step, self.comm_step, 0) and s != self.profile_step]
         return {
             "step_times_s": times,
             "step_time_s": statistics.median(untracked or times) if times else None,  # None: no step (a reshard)
@@ -105,4 +116,5 @@ class Instruments:
             "comm_payload_bytes": dict(comm.payload_bytes) if comm else {},
             "comm_sent_bytes": comm.sent_bytes if comm else {},
             "loopback_bytes": self.loopback_bytes,
+            "profile": self.profile,
         }

@@ -111,3 +111,33 @@ LLAMA3_405B_INTERRUPTIONS = Interruptions(
 TORCHTITAN_70B_2D = {"gpus": 256, "fsdp": 32, "tp": 8, "peak_gib": 71.9, "peak_gib_async_tp": 67.6,
                      "source": "pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (read at b5bcd76), "
                                "table 4: Llama 3 70B, 2D on 256 H100s"}
+
+
+@dataclass(frozen=True)
+class Achieved:
+    """A published share of a machine's limit: a matmul's measured peak against the datasheet's (MAMF), or a
+    training run's MFU (its model FLOPs per second over its GPUs' datasheet peak)."""
+
+    what: str
+    achieved: float  # the share of the datasheet's dense peak
+    hardware: str
+    source: str
+
+
+# the ML Engineering book's maximum achievable matmul FLOPS (bf16), measured by its mamf-finder against the
+# datasheet: compute/accelerator/README.md (read at 744d01e)
+MAMF = tuple(Achieved("matmul, bf16 (MAMF)", measured / sheet, gpu,
+                      f"Bekman, Machine Learning Engineering: {measured:g} of {sheet:g} TFLOPS")
+             for gpu, measured, sheet in (("A100 SXM", 271.2, 312), ("H100 SXM", 794.5, 989), ("B200", 1745, 2250),
+                                          ("MI300X", 668.4, 1300)))
+# training runs' MFU as their authors report it (each against the datasheet's bf16 dense peak)
+PUBLISHED_MFU = (
+    Achieved("SmolLM-1.7B, 3D parallel (picotron)", 0.50, "8 H100", "picotron README: \"nearly 50% MFU\""),
+    Achieved("LLaMA-2-7B, 3D parallel (picotron)", 0.38, "64 H100", "picotron README: \"38% MFU\""),
+    Achieved("Llama 3.1 8B, FSDP (torchtitan)", 0.33, "8-128 H100", "torchtitan, Liang et al. 2024: \"33% to 39% MFU\" "
+             "(the lower end)"),
+    Achieved("Llama 3 405B, TP8 PP16 DP128", 0.38, "16,384 H100", "Llama 3 Herd of Models, Table 4: 38-43% BF16 MFU "
+             "(the lower end)"),
+    Achieved("530B, TP and sequence parallel, selective recomputation", 0.542, "2,240 A100",
+             "Korthikanti et al. 2022: 54.2% (42.1% with full recomputation)"),
+)

@@ -76,6 +76,8 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
         **({"checkpoint": {"saves": [r["checkpoint"]["saves"] for r in results],
                            "resumed": results[0]["checkpoint"]["resumed"]}}
            if results[0]["checkpoint"]["saves"] or results[0]["checkpoint"]["resumed"] else {}),
+        # extra["profile"]: the last step's time by category on each rank, and where its trace went (multigpu.profiling)
+        **({"profile_by_rank": [r["profile"] for r in results]} if results[0].get("profile") else {}),
         # times torchrun started the workers again after a failure (--max-restarts) before this record
         **({"restarts": runtime.restart_count()} if runtime.restart_count() else {}),
         # a strategy whose ranks each report something of their own (a pipeline stage's events)

@@ -4,6 +4,7 @@
   that keeps its records whole (`run_experiment`, `run_experiments`);
 - `machine`: what the lists are sized by (the GPUs here, `max_world_size`, `tp_degrees`) and `Job`;
 - `limits`: the machine's own limits (matmul FLOP/s, memory bandwidth), which MFU is taken against;
+  `profiles`: steps under torch's profiler, and one device's MFU by batch;
 - one module per chapter: `one_device`, `data_parallel`, `sharding`, `collectives`,
   `model_parallel`, `compositions`;
 - the bodies that `run_spmd` starts on every rank, for the experiments and the chapters:

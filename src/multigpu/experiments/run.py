@@ -43,6 +43,7 @@ from multigpu.experiments.one_device import (
     one_device_techniques,
     t5_largest_batch,
 )
+from multigpu.experiments.profiles import step_profiles
 from multigpu.experiments.sharding import fsdp_precision, largest_batch, offload, sharded_memory_comm
 from multigpu.launch import launch
 
@@ -81,6 +82,7 @@ EXPERIMENTS = {
     "moe_ep": moe_ep,
     "checkpoint_bytes": checkpoint_bytes,
     "checkpoint_cost": checkpoint_cost,
+    "step_profiles": step_profiles,
 }
 
 

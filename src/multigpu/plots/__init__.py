@@ -7,7 +7,8 @@ whose footer names the machine, backend, devices and date that produced them.
   strategies) and the frame every figure is drawn in;
 - one module per chapter group: `one_device`, `data_parallel` (DDP and DataParallel),
   `collectives`, `sharding` (ZeRO and FSDP), `model_parallel` (TP, PP and all together),
-  `context_parallel`, `experts` (mixtures of experts), `checkpoints` and `estimates` (Choosing);
+  `context_parallel`, `experts` (mixtures of experts), `checkpoints`, `limits` (Time against the
+  limit) and `estimates` (Choosing);
 - `values`: the exact values under each figure, which a chapter shows by calling
   `show_values_in_notebooks()` in its first cell.
 
@@ -30,6 +31,7 @@ from multigpu.plots.data_parallel import (
 )
 from multigpu.plots.estimates import estimate_bars, predicted_vs_measured
 from multigpu.plots.experts import busiest_expert, dropped_vs_capacity, load_histogram
+from multigpu.plots.limits import matmul_sweep, mfu_bars, step_breakdown
 from multigpu.plots.model_parallel import beside, bubble_vs_formula, pipeline_timeline, rank_grid, tp_speedup_by_width
 from multigpu.plots.one_device import memory_growth, memory_stacked
 from multigpu.plots.sharding import (
@@ -46,6 +48,7 @@ __all__ = ["COLORS", "DP_PHASES", "PALETTE", "STRATEGY_COLORS", "activations_by_
            "beside", "bubble_vs_formula", "buckets", "busiest_expert", "bytes_per_rank", "checkpoint_bytes_by_rank",
            "collective_bandwidth", "collective_grid", "comm_by_strategy", "comm_vs_rule", "dp_memory", "dp_phases",
            "dp_threads", "dropped_vs_capacity", "estimate_bars", "figure_values", "figure_values_html",
-           "load_histogram", "loss_curves", "max_batch", "memory_growth", "memory_stacked",
-           "model_states_vs_formula", "pipeline_timeline", "predicted_vs_measured", "rank_grid", "save_cost",
-           "scaling", "show_values_in_notebooks", "staleness", "tp_speedup_by_width", "zero_stages", "zero_timeline"]
+           "load_histogram", "loss_curves", "matmul_sweep", "max_batch", "memory_growth", "memory_stacked",
+           "mfu_bars", "model_states_vs_formula", "pipeline_timeline", "predicted_vs_measured", "rank_grid",
+           "save_cost", "scaling", "show_values_in_notebooks", "staleness", "step_breakdown", "tp_speedup_by_width",
+           "zero_stages", "zero_timeline"]

@@ -1,0 +1,67 @@
+"""The figures of chapter "Time against the limit": the machine's matmul peak by size, each run's
+MFU and HFU, and where a profiled step's time goes."""
+
+from __future__ import annotations
+
+from multigpu.plots.style import GREY, LIGHT, PALETTE, _figure, _stacked_bars
+
+CATEGORY_COLORS = {"matmul": PALETTE[0], "attention": PALETTE[4], "communication": PALETTE[3],
+                   "optimizer": PALETTE[2], "other operators": PALETTE[1], "outside operators": LIGHT}
+
+
+def matmul_sweep(records, title="What a matrix product reaches here, by size"):
+    """FLOP/s of n x n products by n (experiment machine_limits): one line per dtype (and CPU thread count), the
+    datasheet's dense peak dashed where the records name one."""
+    fig, (ax,) = _figure(records)
+    series: dict = {}
+    for r in records:
+        if r["kind"] == "matmul":
+            label = r["dtype"] + (f", {r['threads']} thread{'s' if r['threads'] > 1 else ''}" if r["threads"] else "")
+            series.setdefault(label, []).append((r["n"], r["best_flops_per_s"], r["dtype"]))
+    for i, (label, points) in enumerate(sorted(series.items())):
+        points.sort()
+        ax.plot([n for n, _, _ in points], [f / 1e9 for _, f, _ in points], "o-", color=PALETTE[i % len(PALETTE)],
+                label=label)
+    sheet = next((r["datasheet"] for r in records if r.get("datasheet")), None)
+    for i, (label, _) in enumerate(sorted(series.items())):
+        dtype = label.split(",")[0]
+        if sheet and dtype in sheet:
+            ax.axhline(sheet[dtype] / 1e9, color=PALETTE[i % len(PALETTE)], ls="--", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("n (an n x n by n x n product)")
+    ax.set_ylabel("GFLOP/s" + (" (dashed: the datasheet's)" if sheet else ""))
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def mfu_bars(rows: list[dict], records, title="Each run's share of the machine's measured peak"):
+    """MFU and HFU per run (`rows`: {"run", "mfu", "hfu"}), the HFU's extra (recomputation) stacked on the MFU."""
+    fig, (ax,) = _figure(records, height=max(3.0, 0.3 * len(rows) + 1.2))
+    ys = range(len(rows))
+    ax.barh(list(ys), [100 * r["mfu"] for r in rows], color=PALETTE[0], label="MFU (model FLOPs)")
+    ax.barh(list(ys), [100 * (r["hfu"] - r["mfu"]) for r in rows], left=[100 * r["mfu"] for r in rows],
+            color=GREY, label="HFU's extra (recomputation)")
+    ax.set_yticks(list(ys), [r["run"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("% of the measured matmul peak of the devices the run used")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def step_breakdown(rows: list[dict], records, title="Where one step's time goes"):
+    """One stacked bar per profiled run (`rows`: {"run", "seconds": {category: s}}), in shares of its step."""
+    from multigpu.profiling import CATEGORIES
+
+    fig, (ax,) = _figure(records)
+    x = list(range(len(rows)))
+    series = {c: [100 * r["seconds"][c] / sum(r["seconds"][k] for k in CATEGORIES) for r in rows]
+              for c in CATEGORIES}
+    _stacked_bars(ax, x, series, [CATEGORY_COLORS[c] for c in CATEGORIES])
+    ax.set_xticks(x, [r["run"] for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("% of the profiled step")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
