@@ -66,6 +66,7 @@ from multigpu.models import GPT_SIZES, default_seq_len, parameter_count
 from multigpu.strategies.dp import GPUDataParallel
 
 launch_module = importlib.import_module("multigpu.launch")  # the package's `launch` is the function
+limits_module = importlib.import_module("multigpu.experiments.limits")
 
 TESTS = Path(__file__).resolve().parent
 COMMITTED = TESTS.parent / "results" / "cpu-2core-gloo"
@@ -256,9 +257,17 @@ def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dic
     if cfg.info.one_process:  # DataParallel: this process's device is the primary
         report = _data_parallel_report(cfg, cpu_record, params, activations, workspaces)
         allocator_peak = report["peak_memory_bytes_by_replica"][0]["total"]
+    profile = None  # the CPU run's profiled step, at the GPU's pace (a GPU's categories are typical, not these)
+    if cfg.extra.get("profile") and cpu_record.get("profile_by_rank"):
+        cpu_profile = cpu_record["profile_by_rank"][r]
+        scale = times[-1] / cpu_profile["seconds"]["step"]
+        profile = {"seconds": {k: {c: {op: t * scale for op, t in ops.items()} for c, ops in v.items()}
+                               if k == "largest" else v * scale for k, v in cpu_profile["seconds"].items()},
+                   "trace": None}
     return {
         "rank": rank,
         "loss": _resized(cpu_record["loss"], cfg.steps),
+        "profile": profile,
         "step_times_s": times,
         "step_time_s": statistics.median(untracked or times),
         "timed_steps": len(untracked) or len(times),
@@ -374,6 +383,29 @@ def _replay_on_the_cpu(*args, **kwargs):
     raise RunsOnTheCPU("the stale-gradient replay")
 
 
+# the fake GPUs' dense peaks (FLOP/s) where multigpu.experiments.limits.datasheet names none (a V100: fp16 tensor
+# cores, no bf16 ones)
+V100_PEAKS = {"fp32": 15.7e12, "tf32": 15.7e12, "bf16": 15.7e12, "fp16": 125e12}
+
+
+def _gpu_matmul_rates(device: str, dtype: str, threads, sizes, **_) -> list[dict]:
+    """Stands in for the matmul sweep on the fake GPUs: each size's rate rising towards 80% of the dense peak, as a
+    real sweep's does (the ML Engineering book measured 80.3% on an H100)."""
+    sheet = limits_module.datasheet(torch.cuda.get_device_name(0)) or V100_PEAKS
+    rows = []
+    for n in sizes:
+        rate = 0.8 * sheet[dtype] * n**2 / (n**2 + 2048**2)
+        rows.append({"kind": "matmul", "device": "cuda", "dtype": dtype, "threads": threads, "n": n,
+                     "flops": 2 * n**3, "best_flops_per_s": rate, "median_flops_per_s": 0.97 * rate, "calls": 10})
+    return rows
+
+
+def _gpu_memory_rate(device: str, threads, size_bytes: int) -> dict:
+    """Stands in for the copy on the fake GPUs: 2.5 TB/s, an H100's HBM3 as a copy reaches it."""
+    return {"kind": "memory", "device": "cuda", "threads": threads, "bytes": 2 * size_bytes,
+            "best_bytes_per_s": 2.5e12, "median_bytes_per_s": 2.4e12, "calls": 10}
+
+
 def _refile_on_server_cpu(experiment: str, folder: Path) -> None:
     """The committed records of an experiment that runs on the CPU, as the server's CPU files them."""
     rewritten = []
@@ -396,6 +428,8 @@ def write_gpu_results(folder: Path, gpus: int, name: str = GPU_NAME, fails=None)
         mp.setattr(records, "RESULTS_DIR", folder)
         mp.setattr(launch_module, "run_torchrun", workers)
         mp.setattr(importlib.import_module("multigpu.asynchronous"), "train_with_stale_gradients", _replay_on_the_cpu)
+        mp.setattr(limits_module, "matmul_rates", _gpu_matmul_rates)
+        mp.setattr(limits_module, "memory_rate", _gpu_memory_rate)
         tag, unexpected = records.machine_tag(), []
         for experiment in experiments.EXPERIMENTS:
             workers.experiment = experiment

@@ -132,9 +132,9 @@ def test_mfu_is_the_global_batchs_model_flops_over_every_devices_peak():
     cpu = matmul("fp32", 1, 5e9) + matmul("fp32", 2, 9e9) + matmul("fp32", 4, 16e9)
     # 2 processes of 1 thread on 4 cores: the peak of 2 threads; a step at that rate is an MFU of 1
     assert utilization(record(2, "cpu", model / 9e9), cpu)["mfu"] == pytest.approx(1.0)
-    # accumulation does not change what a step computes, nor DataParallel's replicas (threads of one process)
+    # accumulation does not change what a step computes; DataParallel's replicas are threads that run at once
     assert utilization(record(2, "cpu", model / 9e9, grad_accum_steps=4), cpu)["mfu"] == pytest.approx(1.0)
-    assert utilization(record(2, "cpu", model / 5e9, backend="threads"), cpu)["devices"] == 1
+    assert utilization(record(2, "cpu", model / 9e9, backend="threads"), cpu)["devices"] == 2  # replicas' threads
     gpu = matmul("bf16", None, 4e14)
     found = utilization(record(4, "cuda", model / 4e14, backend="nccl", dtype="bf16-mixed"), gpu)
     assert found["mfu"] == pytest.approx(0.25) and found["peak_flops_per_s"] == 16e14  # four GPUs' peak
@@ -143,3 +143,16 @@ def test_mfu_is_the_global_batchs_model_flops_over_every_devices_peak():
     assert checkpointed["hfu"] > checkpointed["mfu"]  # the recomputation counts as hardware FLOPs only
     assert utilization(record(4, "cuda", 1.0, backend="nccl"), gpu) is None  # no fp32 peak measured
     assert utilization(record(4, "cuda", None, backend="nccl"), gpu) is None  # no step timed
+
+
+def test_a_mixture_of_experts_is_not_counted_the_assignments_its_capacity_dropped():
+    from multigpu.estimator.flops import utilization
+
+    flops = sample_flops("gpt-moe-tiny", 16)
+    assert 0 < flops.routed < flops.weights
+    run = record(1, "cpu", 1.0, model="gpt-moe-tiny")
+    limits = matmul("fp32", 1, 1e9)
+    whole = utilization(run, limits)["model_flops_per_step"]
+    assert whole == 8 * flops.model
+    run["moe"] = {"tokens_per_expert": [[[30, 34], [32, 32]]], "dropped": [[16, 48]]}  # a quarter, then three
+    assert utilization(run, limits)["model_flops_per_step"] == pytest.approx(whole - 3 * flops.routed * 8 * 0.5)

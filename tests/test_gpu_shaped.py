@@ -189,6 +189,9 @@ def test_gpu_records_are_shaped_like_the_gpu_path(gpu_results, server):
             p = r["provenance"]
             assert p["machine_tag"] == tag and p["device_type"] == "cuda" and p["cuda"] and p["nccl"]
             assert p["device_names"] == [name] * gpus
+            if r.get("kind") in ("matmul", "memory"):  # machine_limits: the GPU's own peaks
+                assert r["best_flops_per_s" if r["kind"] == "matmul" else "best_bytes_per_s"] > 0
+                continue
             if "loss" not in r:  # largest_batch, cp_longest: a job's measurement, probes of runs
                 assert r["probes"] and (r["per_rank_batch"] > 0 if "per_rank_batch" in r else r["predicted"] > 0)
                 continue

@@ -42,6 +42,7 @@ class SampleFlops:
     weights: float
     attention: float
     in_blocks: float
+    routed: float = 0.0  # of the weights', a mixture of experts' routed experts' (k of E per token)
 
     @property
     def forward(self) -> float:
@@ -68,6 +69,7 @@ class _Structure:
     source_in_blocks: float
     target_in_blocks: float
     attentions: tuple[tuple[int, str, str], ...]
+    routed: float = 0.0  # of the source weights, the routed experts' (decoders only)
 
 
 def _query_width(module: nn.Module) -> int | None:
@@ -103,7 +105,7 @@ def _structure(model: str) -> _Structure:
     in_blocks = {id(m) for block in transformer_blocks(built) for m in block.modules()}
     weights = {"source": 0.0, "target": 0.0}
     blocks = {"source": 0.0, "target": 0.0}
-    attentions, seen = [], set()
+    attentions, seen, routed = [], set(), 0.0
     for name, module in built.named_modules(remove_duplicate=False):
         width = _query_width(module)
         queries, keys = _streams(name, t5)
@@ -121,6 +123,7 @@ def _structure(model: str) -> _Structure:
                 continue  # a weight used by two modules (a tied head) is one product per token
             seen.add(id(weight))
             weights[stream] += weight.numel() * share
+            routed += weight.numel() * share if isinstance(module, MoE) else 0.0
             if id(module) in in_blocks:
                 blocks[stream] += weight.numel() * share
     names = {id(m): n for n, m in built.named_modules()}
@@ -129,7 +132,7 @@ def _structure(model: str) -> _Structure:
             last = [m for m in block.modules() if isinstance(m, nn.Linear)][-1]
             blocks[_streams(names[id(last)], t5)[0]] -= last.weight.numel()
     return _Structure(weights["source"], weights["target"], blocks["source"], blocks["target"],
-                      tuple((w, q, k) for w, q, k, inside in attentions if inside))
+                      tuple((w, q, k) for w, q, k, inside in attentions if inside), routed)
 
 
 def sample_flops(model: str, seq_len: int, target_len: int | None = None) -> SampleFlops:
@@ -149,7 +152,7 @@ def sample_flops(model: str, seq_len: int, target_len: int | None = None) -> Sam
     weights = 2.0 * (s.source_weights * tokens["source"] + s.target_weights * tokens["target"])
     in_blocks = 2.0 * (s.source_in_blocks * tokens["source"] + s.target_in_blocks * tokens["target"])
     attention = sum(4.0 * width * tokens[q] * tokens[k] for width, q, k in s.attentions)
-    return SampleFlops(weights, attention, in_blocks + attention)
+    return SampleFlops(weights, attention, in_blocks + attention, 2.0 * s.routed * tokens["source"])
 
 
 def step_flops(config: dict, seq_len: int | None = None) -> tuple[float, float]:
@@ -190,8 +193,10 @@ def utilization(record: dict, limits: list[dict] | None = None) -> dict | None:
     """MFU and HFU of a training run's record against its machine's measured matmul peak (experiment
     machine_limits of the record's machine, or `limits`): {"mfu", "hfu", "model_flops_per_step",
     "hardware_flops_per_step", "peak_flops_per_s": every device of the run together, "devices"}. The peak is the
-    run's dtype's, times its GPUs; on a CPU, at the threads its processes ran (never more than the cores). None
-    for a record with no step time, or whose machine has no measured peak of its dtype."""
+    run's dtype's, times its GPUs; on a CPU, at the threads its processes (or DataParallel's replicas) ran, never
+    more than the cores. A mixture of experts that dropped assignments over its capacity is not counted the
+    products it skipped. None for a record with no step time, or whose machine has no measured peak of its
+    dtype."""
     if not record.get("step_time_s") or "config" not in record:
         return None
     config, prov = record["config"], record["provenance"]
@@ -205,13 +210,19 @@ def utilization(record: dict, limits: list[dict] | None = None) -> dict | None:
         devices = config["world_size"]
         per_device = peak_flops_per_s(limits, dtype)
         peak = per_device * devices if per_device else None
-    else:
-        processes = 1 if prov["backend"] == "threads" else config["world_size"]
-        devices = min(prov["cpu_count"], processes * prov["threads_per_worker"])  # threads, on the cores there are
+    else:  # every process (or DataParallel's replica, a thread) with its threads, on the cores there are
+        devices = min(prov["cpu_count"], config["world_size"] * prov["threads_per_worker"])
         peak = peak_flops_per_s(limits, dtype, devices)
     if not peak:
         return None
     model, hardware = step_flops(config, record.get("seq_len"))
+    if record.get("moe"):  # a capacity dropped some (token, expert) assignments: their products never ran
+        from multigpu.moe import dropped_by_step
+
+        dropped = dropped_by_step(record["moe"])
+        skipped = 3 * sample_flops(config["model"], record.get("seq_len") or config["seq_len"]).routed \
+            * config["global_batch_size"] * sum(dropped) / len(dropped)
+        model, hardware = model - skipped, hardware - skipped * (4 / 3 if config.get("activation_checkpointing") else 1)
     seconds = record["step_time_s"]
     return {"mfu": model / seconds / peak, "hfu": hardware / seconds / peak, "model_flops_per_step": model,
             "hardware_flops_per_step": hardware, "peak_flops_per_s": peak, "devices": devices}

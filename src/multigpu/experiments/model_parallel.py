@@ -10,7 +10,7 @@ from multigpu.experiments.machine import Job, ddp_device, on_gpus, tp_degrees
 from multigpu.launch import threads_per_process
 
 
-def _tp_model() -> tuple[str, int, int]:
+def tp_model() -> tuple[str, int, int]:
     """(model, global batch, sequence length) of the tensor-parallel experiments."""
     # not gpt2 on GPUs: its 50,257-token vocabulary does not split over 2 ranks, nor its 12 heads over 8
     return ("gpt-small", 8, 256) if on_gpus(2) else ("gpt-small", 8, 128)
@@ -34,7 +34,7 @@ def tp_width() -> list[Job]:
 def _tp_collectives_records(strategy: str, world_size: int, sequence_parallel: bool) -> list[dict]:
     from multigpu.spmd import run_spmd
 
-    model, batch, seq = _tp_model()
+    model, batch, seq = tp_model()
     trace = run_spmd("multigpu.experiments.step_traces:tp_collectives", world_size, strategy=strategy,
                      model_name=model, batch=batch, seq_len=seq, sequence_parallel=sequence_parallel)[0]
     return [{**trace, "provenance": records.provenance("gloo", world_size, "cpu", threads_per_process(world_size))}]
@@ -51,7 +51,7 @@ def tp_collectives() -> list[Job]:
 def tp_scaling() -> list[RunConfig]:
     """Memory by category and step time as tp grows, from scratch and the library's
     alternated (A B A B) so both see the same noise; with and without sequence parallelism."""
-    model, batch, seq = _tp_model()
+    model, batch, seq = tp_model()
     # one thread per process, as one GPU per rank: tp 2 has twice the cores of one device
     # (tp 4 on a 2-core CPU shares them: it shows the communication, not a speed-up)
     base = RunConfig(model=model, global_batch_size=batch, seq_len=seq, steps=8, optimizer="adamw", lr=1e-3,

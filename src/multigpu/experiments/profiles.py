@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from multigpu.config import RunConfig
 from multigpu.experiments.machine import ddp_device, on_gpus
+from multigpu.experiments.model_parallel import tp_model
 
 
 def step_profiles() -> list[RunConfig]:
     """One device at three batches, in fp32 and (on a GPU) bf16; then DDP, FSDP, tensor parallelism and a 1F1B
-    pipeline on 2 ranks (one thread each on a CPU, as one GPU per rank; none on a machine of one GPU, whose
-    records of two ranks would be a CPU's), each with its last step profiled."""
+    pipeline on 2 ranks with the tensor-parallel chapter's model (one thread each on a CPU, as one GPU per rank;
+    none on a machine of one GPU, whose records of two ranks would be a CPU's), each with its last step
+    profiled."""
     model, seq, batches = ("gpt2", 512, (4, 16, 32)) if on_gpus() else ("gpt-small", 128, (2, 8, 32))
     base = RunConfig(model=model, seq_len=seq, steps=6, optimizer="adamw", lr=1e-3, dataset="dummy",
                      extra={"profile": True})
@@ -19,7 +21,8 @@ def step_profiles() -> list[RunConfig]:
             for b in batches]
     if on_gpus() and not on_gpus(2):
         return runs
-    ranks = base.replace(global_batch_size=batches[1], device=ddp_device(), world_size=2,
+    model, batch, seq = tp_model()  # on GPUs not gpt2, whose vocabulary does not split over 2 ranks
+    ranks = base.replace(model=model, seq_len=seq, global_batch_size=batch, device=ddp_device(), world_size=2,
                          threads_per_worker=None if on_gpus(2) else 1)
     runs += [ranks.replace(strategy=s) for s in ("ddp", "fsdp", "tp")]
     runs.append(ranks.replace(strategy="pp-1f1b", grad_accum_steps=4))
