@@ -23,6 +23,7 @@ from multigpu.launch import launch, launch_series
 
 TOLERANCE = 1e-5
 STEPS = 3
+SERIES_TIMEOUT = 900  # seconds: a module's first parity test runs every case of the module (`parity`)
 
 
 def assert_parity(result: dict, strategy: str, world_size: int) -> None:
@@ -50,15 +51,28 @@ def _key(case: tuple, tolerance: float) -> str:
     return json.dumps([*case, tolerance])
 
 
-def parity(request, case_of, tolerance: float = TOLERANCE) -> dict:
-    """`check` of this test's case, `case_of(**its parameters)` -> (strategy, world_size, overrides).
-    On the first call of a test function, every case of it that this session runs is checked in
-    one series per process count (check.check_series: one torchrun for them all, instead of one
-    each); a case whose run failed raises its own error here."""
-    siblings = [case_of(**item.callspec.params) for item in request.session.items
-                if getattr(item, "originalname", None) == request.node.originalname and hasattr(item, "callspec")]
+CASES: dict[str, tuple] = {}  # a test function's name -> (its case_of, its tolerance)
+
+
+def cases(case_of, tolerance: float = TOLERANCE):
+    """Registers a test function's cases: `case_of(**its parameters)` -> (strategy, world_size, overrides)."""
+    def register(test):
+        CASES[test.__name__] = (case_of, tolerance)
+        return test
+    return register
+
+
+def parity(request) -> dict:
+    """`check` of this test's case (`cases`). On the first call, every case of every registered test of this
+    module that this session runs, with the same tolerance, is checked in one series per process count
+    (check.check_series: one torchrun for them all, instead of one per test function and process count); a
+    case whose run failed raises its own error here."""
+    case_of, tolerance = CASES[request.node.originalname]
     case = case_of(**request.node.callspec.params)
     if _key(case, tolerance) not in _results:
+        siblings = [CASES[item.originalname][0](**item.callspec.params) for item in request.session.items
+                    if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+                    and getattr(item, "originalname", None) in CASES and CASES[item.originalname][1] == tolerance]
         todo = [c for c in dict.fromkeys([case, *siblings], None) if _key(c, tolerance) not in _results]
         for c, result in zip(todo, check_series([(s, n, json.loads(o)) for s, n, o in todo], steps=STEPS,
                                                 tolerance=tolerance)):
@@ -80,57 +94,61 @@ SHARD_EVERYTHING = {"zero_optimization": {"stage3_param_persistence_threshold": 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("strategy", ["ddp", "ddp-scratch", "dp", *SHARDED])
+@cases(lambda strategy, world_size: _case(
+    strategy, world_size, dtype="fp32", extra=SHARD_EVERYTHING if strategy == "deepspeed-zero3" else {}))
 def test_matches_single_device(strategy, world_size, request):
     """N processes x (global batch / N) == 1 process x global batch, in fp32."""
-    result = parity(request, lambda strategy, world_size: _case(
-        strategy, world_size, dtype="fp32", extra=SHARD_EVERYTHING if strategy == "deepspeed-zero3" else {}))
+    result = parity(request)
     assert_parity(result, strategy, world_size)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("attention, balance", [("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"),
                                                 ("ulysses", "zigzag")])
+@cases(lambda attention, balance, world_size: _case(
+    "cp-scratch", world_size, extra={"cp_attention": attention, "cp_balance": balance}))
 def test_context_parallel_matches_single_device(attention, balance, world_size, request):
     """cp-scratch on 2 and 4 ranks, each rank a part of every sequence (gpt-tiny, 64 tokens: the
     causal mask makes the layouts' work differ, not their result)."""
-    result = parity(request, lambda attention, balance, world_size: _case(
-        "cp-scratch", world_size, extra={"cp_attention": attention, "cp_balance": balance}))
+    result = parity(request)
     assert_parity(result, "cp-scratch", world_size)
     assert result["grid"]["cp"] == world_size
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize("strategy, overrides", [
     ("cp-scratch", dict(cp=2, grad_accum_steps=2)),  # dp 2 x cp 2, gradients averaged over all four
     ("fsdp", dict(cp=2)),  # FSDP over the flattened dp x cp ranks
     ("fsdp", dict(cp=4, extra={"cp_attention": "ulysses"})),
 ], ids=["cp2-dp2-accum2", "fsdp-dp2-cp2", "fsdp-cp4-ulysses"])
+@cases(lambda strategy, overrides: _case(strategy, 4, **overrides))
 def test_context_parallel_composes_with_data_parallelism(strategy, overrides, request):
-    result = parity(request, lambda strategy, overrides: _case(strategy, 4, **overrides))
+    result = parity(request)
     assert_parity(result, strategy, 4)
     assert result["grid"]["cp"] == overrides["cp"]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("routing", [
     dict(moe_top_k=2),  # no capacity: no token dropped, exact
     dict(moe_top_k=1),  # Switch's routing: the router learns through the chosen expert's score alone
     dict(moe_top_k=2, moe_capacity_factor=0.5),  # capacity binds: about half the assignments dropped
 ], ids=["top2", "top1", "top2-capacity0.5"])
+@cases(lambda routing, world_size: _case("ep-scratch", world_size, model="gpt-moe-tiny",
+    extra=routing))
 def test_expert_parallel_matches_single_device(routing, world_size, request):
     """ep-scratch with every rank its own share of the experts (ep = dp = world size): the same
     weights and losses as one device, every layer's tokens per expert the same at every forward, and
     where capacity binds, the same tokens dropped (counted over the whole batch)."""
-    result = parity(request, lambda routing, world_size: _case("ep-scratch", world_size, model="gpt-moe-tiny",
-                                                               extra=routing))
+    result = parity(request)
     assert_parity(result, "ep-scratch", world_size)
     assert result["grid"]["ep"] == world_size
     assert result["moe_same_routing"] == {"tokens_per_expert": True, "dropped": True}
@@ -141,7 +159,7 @@ def test_expert_parallel_matches_single_device(routing, world_size, request):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize("strategy, world_size, overrides", [
     ("ep-scratch", 4, dict(ep=2, grad_accum_steps=2, bucket_cap_mb=0.01)),  # two copies of each half of the experts
     ("ep-scratch", 4, dict(ep=1, extra={"moe_capacity_factor": 1.0})),  # plain data parallel of the same model
@@ -153,17 +171,18 @@ def test_expert_parallel_matches_single_device(routing, world_size, request):
     ("fsdp", 2, dict(ep=1)),  # FSDP of a mixture of experts: its counts summed over the ranks
 ], ids=["dp4-ep2-accum2", "dp4-ep1-capacity1", "dp4-ep4-checkpointed", "fsdp2-ep2", "fsdp4-ep2-accum2-checkpointed",
         "fsdp4-ep4-capacity0.5", "fsdp2-ep1"])
+@cases(lambda strategy, world_size, overrides: _case(strategy, world_size, model="gpt-moe-tiny",
+    **overrides))
 def test_expert_parallel_inside_data_parallel(strategy, world_size, overrides, request):
     """ep divides dp: the experts' copies sum their gradients and divide by dp (not by the copies)."""
-    result = parity(request, lambda strategy, world_size, overrides: _case(strategy, world_size, model="gpt-moe-tiny",
-                                                                           **overrides))
+    result = parity(request)
     assert_parity(result, strategy, world_size)
     assert result["grid"].get("ep", 1) == overrides["ep"]
     assert all(result["moe_same_routing"].values())
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize(
     "strategy, overrides",
     [
@@ -182,14 +201,15 @@ def test_expert_parallel_inside_data_parallel(strategy, world_size, overrides, r
     ids=["ddp-accum2", "ddp-scratch-accum2-small-buckets", "dp-accum2", "zero2-accum2", "zero3-accum2",
          "fsdp-accum2", "deepspeed-zero2-accum2"],
 )
+@cases(lambda strategy, overrides: _case(strategy, 2, **overrides))
 def test_matches_single_device_with_grad_accumulation(strategy, overrides, request):
     """2 micro-batches per rank with no_sync() on the first == one big batch on one process."""
-    result = parity(request, lambda strategy, overrides: _case(strategy, 2, **overrides))
+    result = parity(request)
     assert_parity(result, strategy, 2)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize(
     "strategy, overrides",
     [
@@ -211,20 +231,22 @@ def test_matches_single_device_with_grad_accumulation(strategy, overrides, reque
          "zero3-t5", "fsdp1-t5", "deepspeed-zero3-t5", "zero3-checkpointing-adamw", "fsdp-checkpointing-adamw",
          "fsdp-no-reshard"],
 )
+@cases(lambda strategy, overrides: _case(strategy, 2, **overrides))
 def test_matches_single_device_other_models_and_options(strategy, overrides, request):
     """T5 (encoder-decoder), activation checkpointing and AdamW change nothing about parity."""
-    result = parity(request, lambda strategy, overrides: _case(strategy, 2, **overrides))
+    result = parity(request)
     assert_parity(result, strategy, 2)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "deepspeed-zero2"])
+@cases(lambda strategy: _case(strategy, 2, dtype="bf16-mixed"), BF16_TOLERANCE)
 def test_mixed_precision_fsdp_stays_close_to_single(strategy, request):
     """bf16 compute with fp32 reduction (MixedPrecisionPolicy / MixedPrecision / DeepSpeed's
     torch_autocast with fp32 weights) against one process under bf16 autocast: the same
     arithmetic up to bf16 rounding, so 1e-3, not 1e-5."""
-    result = parity(request, lambda strategy: _case(strategy, 2, dtype="bf16-mixed"), BF16_TOLERANCE)
+    result = parity(request)
     assert result["passed"], result
     assert result["reference_loss"][-1] < result["reference_loss"][0]
 
@@ -244,7 +266,7 @@ def _max_abs_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 def test_weight_comparison_detects_real_differences(tmp_path):
     """The parity tolerance is far below the differences that real bugs make.
 
@@ -268,31 +290,33 @@ def test_matches_single_device_on_gpus(strategy):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("strategy", ["tp-scratch", "tp"])
+@cases(lambda strategy, world_size, sequence_parallel: _case(
+    strategy, world_size, extra={"sequence_parallel": sequence_parallel}))
 def test_tensor_parallel_matches_single_device(strategy, world_size, sequence_parallel, request):
     """tp ranks, each holding 1/tp of every weight matrix and all seeing the whole batch,
     train like one process: the sums of partial products differ only in their last bits."""
-    result = parity(request, lambda strategy, world_size, sequence_parallel: _case(
-        strategy, world_size, extra={"sequence_parallel": sequence_parallel}))
+    result = parity(request)
     assert_parity(result, strategy, world_size)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize("strategy", ["tp-scratch", "tp"])
+@cases(lambda strategy: _case(strategy, 2, grad_accum_steps=2, activation_checkpointing=True,
+    extra={"sequence_parallel": True}))
 def test_tensor_parallel_with_accumulation_and_checkpointing(strategy, request):
     """Two micro-batches, each block recomputed in backward (its collectives issued again),
     sequence parallelism on: still the single device's training."""
-    result = parity(request, lambda strategy: _case(strategy, 2, grad_accum_steps=2, activation_checkpointing=True,
-                                                    extra={"sequence_parallel": True}))
+    result = parity(request)
     assert_parity(result, strategy, 2)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 def test_tensor_parallel_on_a_hugging_face_model(tmp_path):
     """A reader's own model: a Llama (grouped-query attention, rotary positions, gated MLP)
     built from a config.json, split by its own base_model_tp_plan."""
@@ -329,14 +353,15 @@ def _pipeline_case(strategy: str, world_size: int) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("strategy", PIPELINES)
+@cases(_pipeline_case)
 def test_pipeline_matches_single_device(strategy, world_size, request):
     """p stages (2 per rank for the interleaved and V schedules), as many micro-batches as
     stages and at least 4, the head tied to the embedding at the other end of the pipeline
     (its gradient summed between the first and last stage): one device's training."""
-    result = parity(request, _pipeline_case)
+    result = parity(request)
     assert_parity(result, strategy, world_size)
 
 
@@ -356,19 +381,20 @@ COMPOSITIONS = [
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize("strategy, world_size, overrides", COMPOSITIONS,
                          ids=["fsdp-tp", "fsdp-tp-sp", "hsdp", "ddp-scratch-tp-sp", "pp-tp", "pp-fsdp", "pp-zbv-tp",
                               "pp-fsdp-tp-3d-checkpointing"])
+@cases(lambda strategy, world_size, overrides: _case(strategy, world_size, **overrides))
 def test_compositions_match_single_device(strategy, world_size, overrides, request):
     """dp x pp x tp ranks (gradients averaged over dp, summed partial products over tp,
     activations passed between stages) train like one process on the whole batch."""
-    result = parity(request, lambda strategy, world_size, overrides: _case(strategy, world_size, **overrides))
+    result = parity(request)
     assert_parity(result, strategy, world_size)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 def test_hybrid_sharding_all_reduces_each_shard_across_replicas():
     """HSDP on 4 ranks as 2 replicas x 2 shards: inside a replica FSDP's reduce-scatter of
     the whole gradients, then each rank all-reduces its shard (half of them) with the other
@@ -409,7 +435,7 @@ def test_one_reference_serves_every_check_of_the_same_config(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SERIES_TIMEOUT)
 def test_a_series_gives_each_case_its_own_verdict():
     """One torchrun runs a series of parity checks; a run that fails part-way fails its own case
     only: the runs before it keep their verdicts, and the case is checked again on its own, so

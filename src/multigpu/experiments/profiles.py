@@ -10,7 +10,7 @@ from multigpu.experiments.model_parallel import tp_model
 
 
 def step_profiles() -> list[RunConfig]:
-    """One device at three batches, in fp32 and (on a GPU) bf16; then DDP, FSDP, tensor parallelism and a 1F1B
+    """One device at three batches, in fp32 and (on a GPU) bf16, and checkpointed at the middle one; then DDP, FSDP, tensor parallelism and a 1F1B
     pipeline on 2 ranks with the tensor-parallel chapter's model (one thread each on a CPU, as one GPU per rank;
     none on a machine of one GPU, whose records of two ranks would be a CPU's), each with its last step
     profiled."""
@@ -19,6 +19,7 @@ def step_profiles() -> list[RunConfig]:
                      extra={"profile": True})
     runs = [base.replace(global_batch_size=b, dtype=d) for d in (("fp32", "bf16-mixed") if on_gpus() else ("fp32",))
             for b in batches]
+    runs.append(base.replace(global_batch_size=batches[1], activation_checkpointing=True))  # HFU above MFU
     if on_gpus() and not on_gpus(2):
         return runs
     model, batch, seq = tp_model()  # on GPUs not gpt2, whose vocabulary does not split over 2 ranks

@@ -47,7 +47,7 @@ def mfu_bars(rows: list[dict], records, title="Each run's share of the machine's
     ax.invert_yaxis()
     ax.set_xlabel("% of the measured matmul peak of the devices the run used")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
 
