@@ -156,3 +156,17 @@ def test_a_mixture_of_experts_is_not_counted_the_assignments_its_capacity_droppe
     assert whole == 8 * flops.model
     run["moe"] = {"tokens_per_expert": [[[30, 34], [32, 32]]], "dropped": [[16, 48]]}  # a quarter, then three
     assert utilization(run, limits)["model_flops_per_step"] == pytest.approx(whole - 3 * flops.routed * 8 * 0.5)
+
+
+def test_the_step_time_model_is_held_against_the_runs_it_models():
+    from multigpu import records
+    from multigpu.estimator.accuracy import step_time_rows
+
+    tag = "cpu-2core-gloo"
+    runs = records.load("tp_scaling", tag)
+    rows = step_time_rows(runs, tag)
+    assert rows and all(r["nothing_hidden_s"] >= r["all_hidden_s"] > 0 for r in rows)
+    assert all(r["error"] == pytest.approx(r["nothing_hidden_s"] / r["measured_s"] - 1) for r in rows)
+    one_thread = [r for r in runs if r["provenance"]["threads_per_worker"] == 1 and r["config"]["strategy"] != "dp"]
+    assert len(rows) <= len(one_thread)  # a process on several threads is not held to the one-thread rate
+    assert step_time_rows([{**runs[0], "provenance": {**runs[0]["provenance"], "threads_per_worker": 2}}], tag) == []

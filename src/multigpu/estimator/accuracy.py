@@ -231,3 +231,45 @@ def machine_calibration(device: str, family: str | None = None) -> Calibration |
     tags = sorted({r["machine"] for r in rows})
     return Calibration(device, family, per_activation, fixed, len(rows), f"{CALIBRATED_BY} on {', '.join(tags)}",
                        worst)
+
+
+# -- the step-time model against the recorded steps ---------------------------------------------
+
+def step_time_rows(records: list[dict], tag: str) -> list[dict]:
+    """The step-time model (`step_time.step_time`) against every step of `records` (of machine `tag`) it models:
+    one row per run of 1, 2 or 4 processes with one thread each on a CPU (as one GPU per rank: the rate the model
+    assumes, `recorded_machine`'s) or any GPU run, with the model's two bounds (nothing hidden, everything hidden)
+    beside the measured step and the first bound's error."""
+    import dataclasses
+
+    from multigpu.errors import ConfigError
+    from multigpu.estimator.step_time import recorded_machine, step_time
+
+    machines: dict = {}
+    rows = []
+    for r in records:
+        c, prov = r.get("config"), r.get("provenance", {})
+        if not c or not r.get("step_time_s") or c["strategy"] == "dp":
+            continue
+        if prov.get("device_type") != "cuda" and prov.get("threads_per_worker") != 1:
+            continue  # a process on several threads computes faster than the one-thread rate the model takes
+        setup = setup_of(r, against="tracker")
+        if setup is None:
+            continue
+        n = c["world_size"]
+        if n not in machines:
+            try:
+                machines[n] = recorded_machine(n, tag) if n > 1 else dataclasses.replace(recorded_machine(2, tag),
+                                                                                         gpus_per_node=1)
+            except (ConfigError, FileNotFoundError, StopIteration):  # no link fitted for n processes, or no rate
+                machines[n] = None
+        if machines[n] is None:
+            continue
+        try:
+            bounds = [step_time(setup, c["global_batch_size"], machines[n], overlap=o).total_s for o in (False, True)]
+        except ConfigError:
+            continue
+        rows.append({"experiment": r.get("experiment"), "strategy": c["strategy"], "world_size": n,
+                     "model": c["model"], "measured_s": r["step_time_s"], "nothing_hidden_s": bounds[0],
+                     "all_hidden_s": bounds[1], "error": bounds[0] / r["step_time_s"] - 1})
+    return rows
