@@ -263,6 +263,8 @@ def gpu_train_result(cfg: RunConfig, rank: int, cpu_record: dict, held_like: dic
         scale = times[-1] / cpu_profile["seconds"]["step"]
         profile = {"seconds": {k: {c: {op: t * scale for op, t in ops.items()} for c, ops in v.items()}
                                if k == "largest" else v * scale for k, v in cpu_profile["seconds"].items()},
+                   "timeline": {k: v if k == "hidden" else [[a * scale, b * scale] for a, b in v]
+                                for k, v in cpu_profile["timeline"].items()},
                    "trace": None}
     return {
         "rank": rank,

@@ -11,7 +11,7 @@ import pytest
 from multigpu.config import RunConfig
 from multigpu.errors import ConfigError
 from multigpu.launch import launch
-from multigpu.profiling import CATEGORIES, category
+from multigpu.profiling import CATEGORIES, category, merged, overlap, without
 
 
 def test_operators_fall_into_the_categories():
@@ -34,6 +34,10 @@ def test_a_profiled_run_times_the_other_steps_and_writes_each_ranks_trace(tmp_pa
         assert set(seconds) == {*CATEGORIES, "step", "largest"}
         assert seconds["matmul"] > 0 and seconds["communication"] > 0 and seconds["optimizer"] > 0
         assert seconds["step"] == record["step_times_s_by_rank"][rank][-1]  # the last step, profiled
+        timeline = profile["timeline"]
+        assert timeline["compute"] and timeline["communication"] and 0 <= timeline["hidden"] <= 1
+        assert all(a < b for row in ("compute", "communication") for a, b in timeline[row])
+        assert timeline["communication"][-1][1] <= seconds["step"] * 1.01  # inside the step (a profiler's rounding)
         with gzip.open(profile["trace"]) as f:
             assert any(e.get("name") == "aten::addmm" for e in json.load(f)["traceEvents"])
     # steps 0-2 are tracked and counted, step 4 profiled: step 3 alone is timed
@@ -44,3 +48,11 @@ def test_the_profile_option_is_true_or_a_folder():
     RunConfig(model="gpt-tiny", extra={"profile": True}).validate()
     with pytest.raises(ConfigError, match="profile must be true"):
         RunConfig(model="gpt-tiny", extra={"profile": 3}).validate()
+
+
+def test_intervals_are_merged_cut_and_intersected():
+    assert merged([(3, 4), (0, 1), (1.05, 2)], gap=0.1) == [[0, 2], [3, 4]]
+    assert merged([(0, 1), (1.5, 2)]) == [[0, 1], [1.5, 2]]
+    assert without([[0, 10], [12, 13]], [[2, 3], [5, 6], [12.5, 14]]) == [[0, 2], [3, 5], [6, 10], [12, 12.5]]
+    assert overlap([[0, 2], [3, 5]], [[1, 4]]) == 2
+    assert overlap([[0, 1]], [[1, 2]]) == 0

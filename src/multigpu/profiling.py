@@ -1,7 +1,8 @@
 """Where one training step's time goes, from PyTorch's own profiler: a run whose config asks for it
-(`extra["profile"]`: True, or a folder for the traces) runs one step more, after the timed ones,
-under `torch.profiler`, and its record gets that step's time by category (`breakdown`) and, with a
-folder, each rank's trace for Perfetto or chrome://tracing.
+(`extra["profile"]`: True, or a folder for the traces) runs its last step, untimed, under
+`torch.profiler`, and its record gets that step's time by category (`breakdown`), when each rank
+computed and communicated (`timeline`) and, with a folder (a relative one under the machine's
+results folder), each rank's trace for Perfetto or chrome://tracing.
 
 The categories, from each operator's own time (its children's not counted twice): the matrix
 products, attention's fused kernels, the collectives (with what waits for them, and FSDP's copies
@@ -71,6 +72,106 @@ def breakdown(prof, device_type: str, wall_s: float, top: int = 8) -> dict:
     return {**seconds, "step": wall_s, "largest": largest}
 
 
+def merged(intervals: list[tuple[float, float]], gap: float = 0.0) -> list[list[float]]:
+    """The union of [start, end) intervals, those less than `gap` apart joined, in order."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def without(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
+    """The merged intervals `a` less the merged intervals `b`."""
+    out = []
+    for start, end in a:
+        for cut_start, cut_end in b:
+            if cut_end <= start or cut_start >= end:
+                continue
+            if cut_start > start:
+                out.append([start, cut_start])
+            start = max(start, cut_end)
+            if start >= end:
+                break
+        if start < end:
+            out.append([start, end])
+    return out
+
+
+def overlap(a: list[list[float]], b: list[list[float]]) -> float:
+    """The length of the intersection of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _is_collective(name: str) -> bool:
+    return name.startswith(("gloo:", "nccl:")) or "nccl" in name.lower()
+
+
+def _outermost_operator(event) -> bool:
+    """Whether an event is an ATen operator that no other ATen operator called: one piece of the step's own work
+    (the Python and the framework between two such pieces is not)."""
+    if not event.name.startswith("aten::"):
+        return False
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def _in_collective(event) -> bool:
+    """Whether an operator runs inside a collective (a backend's copies into and out of its buffers)."""
+    event = event.cpu_parent
+    while event is not None:
+        if _is_collective(event.name):
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def timeline(prof, device_type: str, wall_s: float) -> dict:
+    """When this rank computed and when it communicated in the profiled step, as merged [start, end) intervals in
+    seconds from the step's first event (gaps under a thousandth of the step joined), and the share of the
+    communicating time during which it also computed ("hidden"). On a GPU: the kernels, the collectives' (NCCL's)
+    apart. On a CPU: the ATen operators no other one called (the work itself, not the Python around it), and the
+    collectives as the backend runs them (gloo's own threads, or the caller's for a blocking send)."""
+    from torch.autograd import DeviceType
+
+    compute, comm, waits = [], [], []
+    for e in prof.events():
+        span = (e.time_range.start / 1e6, e.time_range.end / 1e6)
+        on_device = e.device_type == DeviceType.CUDA
+        if device_type == "cuda" and on_device:
+            if _is_collective(e.name):
+                comm.append(span)
+            elif not e.name.startswith(("Memcpy", "Memset")):
+                compute.append(span)
+        elif device_type != "cuda" and not on_device:
+            if _is_collective(e.name):
+                comm.append(span)
+            elif category(e.name, None) == "communication":
+                waits.append(span)  # a wait inside an operator (DTensor's, for a collective's result) is not work
+            elif _outermost_operator(e) and category(e.name, _under(e)) != "communication" and not _in_collective(e):
+                compute.append(span)
+    origin = min((start for start, _ in compute + comm), default=0.0)
+    gap = wall_s / 1000
+    rows = {name: merged([(a - origin, b - origin) for a, b in spans], gap)
+            for name, spans in (("compute", compute), ("communication", comm), ("waits", waits))}
+    rows["compute"] = without(rows["compute"], rows.pop("waits"))
+    busy = sum(b - a for a, b in rows["communication"])
+    return {**rows, "hidden": overlap(rows["compute"], rows["communication"]) / busy if busy else None}
+
+
 class StepProfiler:
     """`with StepProfiler(device, rank, folder) as p:` around one step; then `p.result(wall_s)`: the breakdown,
     and where the rank's trace went (a gzipped Chrome trace in `folder`, None without one)."""
@@ -91,7 +192,11 @@ class StepProfiler:
     def result(self, wall_s: float) -> dict:
         trace = None
         if self.folder:
+            from multigpu import records
+
             folder = Path(self.folder).expanduser()
+            if not folder.is_absolute():  # beside the machine's records: results/<machine>/<folder>
+                folder = records.RESULTS_DIR / records.machine_tag(self.device.type) / folder
             folder.mkdir(parents=True, exist_ok=True)
             raw = folder / f"rank{self.rank}.json"
             self.prof.export_chrome_trace(str(raw))
@@ -99,11 +204,15 @@ class StepProfiler:
             with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             os.remove(raw)
-        return {"seconds": breakdown(self.prof, self.device.type, wall_s), "trace": trace}
+            if Path(trace).is_relative_to(records.RESULTS_DIR):  # a record names its trace as results/ holds it
+                trace = str(Path(trace).relative_to(records.RESULTS_DIR))
+        return {"seconds": breakdown(self.prof, self.device.type, wall_s),
+                "timeline": timeline(self.prof, self.device.type, wall_s), "trace": trace}
 
 
 def check_option(value) -> None:
-    """extra["profile"]: True (the breakdown only) or a folder for the traces."""
+    """extra["profile"]: True (the breakdown only) or a folder for the traces (a relative one under the machine's
+    results folder, results/<machine>/<folder>)."""
     from multigpu.errors import ConfigError
 
     if value is not None and value is not True and value is not False and not (isinstance(value, str) and value):

@@ -10,10 +10,11 @@ from multigpu.experiments.model_parallel import tp_model
 
 
 def step_profiles() -> list[RunConfig]:
-    """One device at three batches, in fp32 and (on a GPU) bf16, and checkpointed at the middle one; then DDP, FSDP, tensor parallelism and a 1F1B
-    pipeline on 2 ranks with the tensor-parallel chapter's model (one thread each on a CPU, as one GPU per rank;
-    none on a machine of one GPU, whose records of two ranks would be a CPU's), each with its last step
-    profiled."""
+    """One device at three batches, in fp32 and (on a GPU) bf16, and checkpointed at the middle one; then DDP,
+    FSDP, tensor parallelism and a 1F1B pipeline on 2 ranks with the tensor-parallel chapter's model (one thread
+    each on a CPU, as one GPU per rank; none on a machine of one GPU, whose records of two ranks would be a
+    CPU's), each with its last step profiled and, on 2 ranks, each rank's trace kept beside the records for
+    Perfetto (results/<machine>/traces/<strategy>/rank<r>.json.gz)."""
     model, seq, batches = ("gpt2", 512, (4, 16, 32)) if on_gpus() else ("gpt-small", 128, (2, 8, 32))
     base = RunConfig(model=model, seq_len=seq, steps=6, optimizer="adamw", lr=1e-3, dataset="dummy",
                      extra={"profile": True})
@@ -25,6 +26,7 @@ def step_profiles() -> list[RunConfig]:
     model, batch, seq = tp_model()  # on GPUs not gpt2, whose vocabulary does not split over 2 ranks
     ranks = base.replace(model=model, seq_len=seq, global_batch_size=batch, device=ddp_device(), world_size=2,
                          threads_per_worker=None if on_gpus(2) else 1)
-    runs += [ranks.replace(strategy=s) for s in ("ddp", "fsdp", "tp")]
-    runs.append(ranks.replace(strategy="pp-1f1b", grad_accum_steps=4))
+    for strategy, accumulation in (("ddp", 1), ("fsdp", 1), ("tp", 1), ("pp-1f1b", 4)):
+        runs.append(ranks.replace(strategy=strategy, grad_accum_steps=accumulation,
+                                  extra={"profile": f"traces/{strategy}"}))
     return runs

@@ -65,3 +65,21 @@ def step_breakdown(rows: list[dict], records, title="Where one step's time goes"
     ax.set_title(title)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
+
+
+def step_timelines(rows: list[dict], records, title="One profiled step, rank by rank"):
+    """Per run and rank (`rows`: {"run", "timelines": one per rank, as multigpu.profiling.timeline}), a lane of
+    when it computed and one of when it communicated, in milliseconds from the step's first operator."""
+    lanes = [(row["run"], rank, kind, t[kind]) for row in rows for rank, t in enumerate(row["timelines"])
+             for kind in ("compute", "communication")]
+    fig, (ax,) = _figure(records, height=max(3.0, 0.22 * len(lanes) + 1.2))
+    colors = {"compute": PALETTE[0], "communication": PALETTE[3]}
+    for y, (_, _, kind, spans) in enumerate(lanes):
+        ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for a, b in spans], (y - 0.4, 0.8), color=colors[kind],
+                       label=kind if y < 2 else None)
+    ax.set_yticks(range(len(lanes)), [f"{run}, rank {rank}: {kind}" for run, rank, kind, _ in lanes], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds from the step's first operator")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
