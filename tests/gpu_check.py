@@ -215,6 +215,25 @@ def test_single_device():
             assert peak is None  # the CPU has no caching allocator to read
 
 
+def test_a_profiled_step_on_the_device(tmp_path):
+    """One device's step under torch's profiler (multigpu.profiling): on a GPU its kernels' time, the products'
+    among them, and a timeline of kernels; the MFU against this device's matmul peak, measured here at one size."""
+    from multigpu.estimator.flops import utilization
+    from multigpu.experiments.limits import matmul_rates
+
+    with recorded("profile", world_size=1, device=DEVICE) as row:
+        cfg = RunConfig(strategy="single", steps=4, device=DEVICE, **{**TINY, "model": "gpt-mini"},
+                        extra={"profile": str(tmp_path)})
+        record = launch(cfg, progress=False)
+        profile = record["profile_by_rank"][0]
+        seconds, timeline = profile["seconds"], profile["timeline"]
+        use = utilization(record, matmul_rates(DEVICE, "fp32", None, (1024, 2048), min_time_s=0.1))
+        row["detail"] = (f"matmul {seconds['matmul'] * 1e3:.2f} ms of a {seconds['step'] * 1e3:.1f} ms step, "
+                         f"{len(timeline['compute'])} compute spans, MFU {use['mfu']:.2%}")
+        assert seconds["matmul"] > 0 and timeline["compute"] and timeline["communication"] == []
+        assert 0 < use["mfu"] < 1 and (tmp_path / "rank0.json.gz").exists()
+
+
 # -- every strategy family against one device ------------------------------------------------
 
 SP = {"extra": {"sequence_parallel": True}}

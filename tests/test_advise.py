@@ -53,9 +53,17 @@ def machine(link: Link, gpus_per_node: int = 8, nodes: int = 1) -> Machine:
     return Machine("test", H100_SXM, gpus_per_node, nodes, link, link)
 
 
-def test_compute_is_six_flops_per_parameter_per_token_plus_attention():
+def test_compute_is_six_flops_per_weight_per_token_plus_attention():
+    """6 per weight a token multiplies (every Linear's, the tied head's once; no position embedding's lookup),
+    plus attention's 12 L h s, at 40% of the H100's bf16 peak."""
+    from torch import nn
+
+    from multigpu.models import build_model
+
     setup = Setup("gpt-small", "ddp", 8, seq_len=128, dtype="bf16-mixed")
-    n, (layers, width) = model_shape("gpt-small").parameters, (6, 256)
+    weights = {id(m.weight): m.weight.numel() for m in build_model("gpt-small").modules() if isinstance(m, nn.Linear)}
+    n, (layers, width) = sum(weights.values()), (6, 256)
+    assert n < model_shape("gpt-small").parameters
     expected = (6 * n + 12 * layers * width * 128) * 128 * 64 / (8 * 0.40 * 989e12)
     assert math.isclose(step_time(setup, 64, MACHINES["8xh100-nvlink"]).compute_s, expected)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -272,3 +273,18 @@ def test_a_users_own_choice_is_kept(capsys):
         cli._config(args)
     args = cli.build_parser().parse_args(["run", "--strategy", "pp-gpipe", "--world-size", "4", "--model", "gpt-small"])
     assert cli._config(args).model == "gpt-small" and "instead of" not in capsys.readouterr().err
+
+
+def test_run_profile_prints_the_mfu_and_where_the_step_went(tmp_path, monkeypatch):
+    """`run --profile`: the MFU against the machine's measured peak (here a stand-in peak, written as the
+    machine_limits experiment writes it), and rank 0's profiled step by category."""
+    from multigpu import records
+
+    monkeypatch.setattr(records, "RESULTS_DIR", tmp_path)
+    records.write_records(records.results_path("machine_limits"), [
+        {"kind": "matmul", "dtype": "fp32", "threads": t, "n": 256, "best_flops_per_s": 1e11 * t}
+        for t in range(1, 65)])
+    out = in_process("run", "--strategy", "single", "--model", "gpt-tiny", "--steps", "4", "--profile")
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"MFU +\d+\.\d% of this machine's measured peak \(HFU \d+\.\d%\)", out.stdout), out.stdout
+    assert re.search(r"profile, rank 0: matmul \d+%", out.stdout), out.stdout

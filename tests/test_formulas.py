@@ -322,3 +322,14 @@ def test_tp_mlp_even_width_is_where_the_split_pays_for_its_all_reduces():
     one = per_w2 * even ** 2 / rate
     split = one / t + 2 * (alpha + beta * sent_bytes("all_reduce", 4 * tokens * even, t))
     assert math.isclose(one, split)
+
+
+def test_a_pipelines_action_cost_is_recovered_from_steps_that_pay_it():
+    from multigpu.estimator.formulas import bubble_fraction, bubble_with_action_cost, pipeline_action_cost
+
+    pair, cost = 0.06, 0.003
+    runs = [(p, m, pair, (m + p - 1) * (pair + cost)) for p in (2, 4) for m in (1, 4, 16)]
+    assert pipeline_action_cost(runs) == pytest.approx(cost)
+    assert bubble_with_action_cost(4, 8, pair, 0.0) == pytest.approx(bubble_fraction(4, 8))
+    step = (8 + 4 - 1) * (pair + cost)
+    assert bubble_with_action_cost(4, 8, pair, cost) == pytest.approx(1 - 8 * pair / step)

@@ -65,6 +65,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--profile", nargs="?", const=True, default=None, metavar="FOLDER",
+                   help="run the last step under torch's profiler: its time by category and, with a FOLDER (a "
+                        "relative one under results/<machine>/), each rank's trace for Perfetto")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
 
 
@@ -81,6 +84,8 @@ def _config(args, on_this_machine: bool = True) -> RunConfig:
     for name in ("top_k", "capacity_factor", "aux_loss_coef"):
         if getattr(args, name) is not None:
             extra[f"moe_{name}"] = getattr(args, name)
+    if getattr(args, "profile", None):
+        extra["profile"] = args.profile
     d = RunConfig()
     cfg = RunConfig(strategy=args.strategy, world_size=world_size, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp,
                     ep=args.ep, model=args.model or d.model, extra=extra)
@@ -149,6 +154,15 @@ def cmd_run(args) -> int:
         return 0
     print(f"  step time   {record['step_time_s'] * 1e3:.1f} ms (median of {record['timed_steps']} steps)")
     print(f"  throughput  {record['tokens_per_s']:,.0f} tokens/s, {record['samples_per_s']:,.1f} samples/s")
+    from multigpu.estimator.flops import utilization
+
+    use = utilization(record)
+    print(f"  MFU         {use['mfu']:.1%} of this machine's measured peak (HFU {use['hfu']:.1%})" if use else
+          "  MFU         no measured peak of this machine: `python -m multigpu figures --experiments machine_limits`")
+    for rank, profile in enumerate(record.get("profile_by_rank") or []):
+        seconds = {k: v for k, v in profile["seconds"].items() if k not in ("step", "largest")}
+        shares = ", ".join(f"{k} {v / sum(seconds.values()):.0%}" for k, v in seconds.items())
+        print(f"  profile, rank {rank}: {shares}" + (f"; trace {profile['trace']}" if profile.get("trace") else ""))
     who = "primary replica" if cfg.info.one_process else "rank 0"
     measured = ", ".join(f"{k} {_mib(v)}" for k, v in mem.items() if v is not None)
     print(f"  peak memory, {who}: " + (measured or "not measured (the memory tracker cannot follow this strategy)"))

@@ -43,6 +43,20 @@ def bubble_over_ideal(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m)
 
 
+def pipeline_action_cost(runs: list[tuple[int, int, float, float]]) -> float:
+    """The seconds each forward-and-backward pair on a GPipe or 1F1B step's critical path costs beyond its compute,
+    fitted by least squares (through zero) to `runs` of (p, m, compute of one pair, measured step): the step
+    is (m + p - 1)(pair + cost), the bubble's formula with every action paying a message and bookkeeping."""
+    pairs = [(m + p - 1, step - (m + p - 1) * pair) for p, m, pair, step in runs]
+    return sum(x * y for x, y in pairs) / sum(x * x for x, _ in pairs)
+
+
+def bubble_with_action_cost(p: int, m: int, pair_s: float, cost_s: float) -> float:
+    """The share of a step each rank idles when every action pair costs `cost_s` beyond its `pair_s` of compute:
+    1 - m pair / ((m + p - 1)(pair + cost)); bubble_fraction(p, m) at no cost."""
+    return 1 - m * pair_s / ((m + p - 1) * (pair_s + cost_s))
+
+
 def micro_batches_for_bubble(p: int, target: float, v: int = 1) -> int:
     """The fewest micro-batches m whose bubble_fraction(p, m, v) is below `target` (0 < target < 1).
 
