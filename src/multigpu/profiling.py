@@ -113,7 +113,8 @@ def overlap(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def _is_collective(name: str) -> bool:
-    return name.startswith(("gloo:", "nccl:")) or "nccl" in name.lower()
+    """A collective as its backend runs it: gloo's ranges, NCCL's kernels."""
+    return name.startswith("gloo:") or "nccl" in name.lower()
 
 
 def _outermost_operator(event) -> bool:

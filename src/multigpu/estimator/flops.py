@@ -53,6 +53,11 @@ class SampleFlops:
         """Forward and backward (twice the forward): what the model needs, however it is run."""
         return 3 * self.forward
 
+    def dropping(self, share: float) -> SampleFlops:
+        """The same sample with `share` of its routed experts' products never run (assignments over a capacity)."""
+        cut = self.routed * share
+        return SampleFlops(self.weights - cut, self.attention, self.in_blocks - cut, self.routed - cut)
+
     def hardware(self, activation_checkpointing: bool) -> float:
         """What the machine computes: the model's FLOPs, plus the blocks' forward again when checkpointed."""
         return self.model + (self.in_blocks if activation_checkpointing else 0.0)
@@ -155,11 +160,12 @@ def sample_flops(model: str, seq_len: int, target_len: int | None = None) -> Sam
     return SampleFlops(weights, attention, in_blocks + attention, 2.0 * s.routed * tokens["source"])
 
 
-def step_flops(config: dict, seq_len: int | None = None) -> tuple[float, float]:
+def step_flops(config: dict, seq_len: int | None = None, dropped: float = 0.0) -> tuple[float, float]:
     """(model, hardware) FLOPs of one training step of a run's config (its `RunConfig.to_dict()`; `seq_len` the
-    run's, where the config left it to the model): the whole global batch, every micro-batch and every rank's.
-    T5's target is as long as its source (multigpu.data)."""
-    per_sample = sample_flops(config["model"], seq_len or config["seq_len"])
+    run's, where the config left it to the model): the whole global batch, every micro-batch and every rank's;
+    `dropped`: the share of a mixture of experts' assignments its capacity dropped. T5's target is as long as
+    its source (multigpu.data)."""
+    per_sample = sample_flops(config["model"], seq_len or config["seq_len"]).dropping(dropped)
     batch = config["global_batch_size"]
     return per_sample.model * batch, per_sample.hardware(config.get("activation_checkpointing", False)) * batch
 
@@ -215,14 +221,13 @@ def utilization(record: dict, limits: list[dict] | None = None) -> dict | None:
         peak = peak_flops_per_s(limits, dtype, devices)
     if not peak:
         return None
-    model, hardware = step_flops(config, record.get("seq_len"))
+    dropped = 0.0
     if record.get("moe"):  # a capacity dropped some (token, expert) assignments: their products never ran
         from multigpu.moe import dropped_by_step
 
-        dropped = dropped_by_step(record["moe"])
-        skipped = 3 * sample_flops(config["model"], record.get("seq_len") or config["seq_len"]).routed \
-            * config["global_batch_size"] * sum(dropped) / len(dropped)
-        model, hardware = model - skipped, hardware - skipped * (4 / 3 if config.get("activation_checkpointing") else 1)
+        by_step = dropped_by_step(record["moe"])
+        dropped = sum(by_step) / len(by_step)
+    model, hardware = step_flops(config, record.get("seq_len"), dropped)
     seconds = record["step_time_s"]
     return {"mfu": model / seconds / peak, "hfu": hardware / seconds / peak, "model_flops_per_step": model,
             "hardware_flops_per_step": hardware, "peak_flops_per_s": peak, "devices": devices}
