@@ -78,6 +78,14 @@ def test_unknown_choice_lists_the_choices(field, label, allowed):
         config.with_strategy_defaults(RunConfig(**{field: value, "world_size": world_size}))[0].validate()
 
 
+@pytest.mark.parametrize("value", ["yes", "partial", 1])
+def test_an_unknown_recomputation_is_named(value):
+    message = refused(activation_checkpointing=value)
+    assert f"got {value!r}" in message and "'selective'" in message
+    for value in (False, True, "full", "selective"):
+        RunConfig(activation_checkpointing=value).validate()
+
+
 def test_single_on_two_processes():
     message = refused(strategy="single", world_size=2)
     assert "world_size=2" in message and "'single'" in message

@@ -46,7 +46,7 @@ def test_hugging_face_config_files_give_the_presets_counts(tmp_path):
 def _measured_saved(name, batch, seq, target=None, dtype="fp32", checkpointing=False):
     model = build_model(name)
     if checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, checkpointing)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(vocab_size(name), (batch, seq), generator=g)
     labels = torch.randint(vocab_size(name), (batch, target or seq), generator=g)
@@ -60,8 +60,11 @@ def _measured_saved(name, batch, seq, target=None, dtype="fp32", checkpointing=F
     ("gpt-small", 128, None, "fp32", False),
     ("gpt-small", 64, None, "bf16-mixed", False),
     ("gpt-small", 128, None, "fp32", True),
+    ("gpt-small", 128, None, "fp32", "selective"),
+    ("gpt-small", 64, None, "bf16-mixed", "selective"),
     ("t5-tiny", 32, 16, "fp32", False),
     ("t5-tiny", 32, 32, "fp32", True),
+    ("t5-tiny", 32, 16, "fp32", "selective"),
 ])
 def test_traced_activations_equal_measured(name, seq, target, dtype, checkpointing):
     cost = activation_cost(name, seq, target, autocast=dtype == "bf16-mixed", checkpointing=checkpointing)
@@ -306,6 +309,9 @@ HELD_OUT = [
          optimizer="sgd-momentum"),
     dict(model="gpt-moe-small", strategy="fsdp", world_size=4, ep=2, seq_len=64, global_batch_size=8,
          optimizer="adamw"),
+    # selective recomputation under tensor and sequence parallelism: the collectives' results kept
+    dict(model="gpt-small", strategy="tp", world_size=2, seq_len=128, global_batch_size=4, optimizer="adamw",
+         activation_checkpointing="selective", extra={"sequence_parallel": True}),
 ]
 
 
@@ -317,7 +323,8 @@ _held_out = RunCache(lambda: [RunConfig(steps=3, dataset="dummy", **changes) for
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("changes", HELD_OUT, ids=lambda c: f"{c['model']}-{c['strategy']}-{c['world_size']}"
                                                            + (f"-cp{c['cp']}" if "cp" in c else "")
-                                                           + (f"-ep{c['ep']}" if "ep" in c else ""))
+                                                           + (f"-ep{c['ep']}" if "ep" in c else "")
+                                                           + ("-sac" if c.get("activation_checkpointing") else ""))
 def test_estimated_peak_agrees_with_fresh_runs_it_was_not_fitted_to(changes):
     from multigpu.estimator.accuracy import against_records
 

@@ -10,7 +10,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from multigpu.estimator.flops import sample_flops, step_flops
-from multigpu.models import apply_activation_checkpointing, build_from_config_file, build_model, compute_loss
+from multigpu.models import (
+    apply_activation_checkpointing,
+    build_from_config_file,
+    build_model,
+    compute_loss,
+    transformer_blocks,
+)
 
 
 def counted(model: torch.nn.Module, batch: dict) -> int:
@@ -25,20 +31,23 @@ def tokens(vocab: int, batch: int, length: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt-mini"])
-@pytest.mark.parametrize("checkpointed", [False, True])
-def test_a_gpts_flops_are_what_torch_counts(name, checkpointed):
+@pytest.mark.parametrize("checkpointing", [False, True, "selective"])
+def test_a_gpts_flops_are_what_torch_counts(name, checkpointing):
     model = build_model(name)
     ids = tokens(model.cfg.vocab_size, 3, 24)
-    if checkpointed:
-        apply_activation_checkpointing(model)
+    if checkpointing:
+        apply_activation_checkpointing(model, checkpointing)
     flops = sample_flops(name, 24)
-    expected = 3 * (flops.hardware(True) if checkpointed else flops.model)
-    assert counted(model, {"input_ids": ids, "labels": ids}) == expected
+    assert counted(model, {"input_ids": ids, "labels": ids}) == 3 * flops.hardware(checkpointing)
     assert flops.model < flops.hardware(True) < flops.model + flops.forward  # not the head, nor each MLP's output
+    # selective: attention's output projection again (the MLP's is the block's last product)
+    projections = sum(b.attn.proj.weight.numel() for b in transformer_blocks(model))
+    assert flops.hardware("selective") - flops.model == 2 * 24 * projections
 
 
 @pytest.mark.parametrize("name", ["t5-tiny", "gpt-moe-tiny", "llama"])
-def test_checkpointing_runs_each_block_again_as_torch_does(name, tmp_path):
+@pytest.mark.parametrize("checkpointing", [True, "selective"])
+def test_checkpointing_runs_each_block_again_as_torch_does(name, checkpointing, tmp_path):
     from multigpu.hf import write_tiny_llama_config
     from multigpu.moe import even_routing
 
@@ -47,9 +56,10 @@ def test_checkpointing_runs_each_block_again_as_torch_does(name, tmp_path):
     model, _ = build_from_config_file(name) if name.endswith(".json") else (build_model(name), None)
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size
     ids = tokens(vocab, 2, 16)
-    apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, checkpointing)
     with even_routing():
-        assert counted(model, {"input_ids": ids, "labels": ids}) == 2 * sample_flops(name, 16).hardware(True)
+        expected = 2 * sample_flops(name, 16).hardware(checkpointing)
+        assert counted(model, {"input_ids": ids, "labels": ids}) == expected
 
 
 def test_a_llama_with_grouped_keys_counts_its_queries_width(tmp_path):

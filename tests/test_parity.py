@@ -164,13 +164,14 @@ def test_expert_parallel_matches_single_device(routing, world_size, request):
     ("ep-scratch", 4, dict(ep=2, grad_accum_steps=2, bucket_cap_mb=0.01)),  # two copies of each half of the experts
     ("ep-scratch", 4, dict(ep=1, extra={"moe_capacity_factor": 1.0})),  # plain data parallel of the same model
     ("ep-scratch", 4, dict(ep=4, activation_checkpointing=True)),  # the all-to-alls again in backward's recompute
+    ("ep-scratch", 4, dict(ep=2, activation_checkpointing="selective")),
     # FSDP x EP: each slice of the experts sharded over its copies, the rest over every rank
     ("fsdp", 2, dict(ep=2)),  # a slice's copies: a mesh of one rank
     ("fsdp", 4, dict(ep=2, grad_accum_steps=2, activation_checkpointing=True)),
     ("fsdp", 4, dict(ep=4, extra={"moe_capacity_factor": 0.5})),
     ("fsdp", 2, dict(ep=1)),  # FSDP of a mixture of experts: its counts summed over the ranks
-], ids=["dp4-ep2-accum2", "dp4-ep1-capacity1", "dp4-ep4-checkpointed", "fsdp2-ep2", "fsdp4-ep2-accum2-checkpointed",
-        "fsdp4-ep4-capacity0.5", "fsdp2-ep1"])
+], ids=["dp4-ep2-accum2", "dp4-ep1-capacity1", "dp4-ep4-checkpointed", "dp4-ep2-selective", "fsdp2-ep2",
+        "fsdp4-ep2-accum2-checkpointed", "fsdp4-ep4-capacity0.5", "fsdp2-ep1"])
 @cases(lambda strategy, world_size, overrides: _case(strategy, world_size, model="gpt-moe-tiny",
     **overrides))
 def test_expert_parallel_inside_data_parallel(strategy, world_size, overrides, request):
@@ -226,10 +227,13 @@ def test_matches_single_device_with_grad_accumulation(strategy, overrides, reque
         ("zero3", dict(activation_checkpointing=True, optimizer="adamw", lr=1e-3)),
         ("fsdp", dict(activation_checkpointing=True, optimizer="adamw", lr=1e-3)),
         ("fsdp", dict(extra={"reshard_after_forward": False})),  # ZeRO-2-like FSDP
+        # selective recomputation: the products' outputs kept, the rest (and the output projections) run again
+        ("fsdp", dict(activation_checkpointing="selective", optimizer="adamw", lr=1e-3)),
+        ("ddp-scratch", dict(model="t5-tiny", activation_checkpointing="selective")),
     ],
     ids=["ddp-t5", "ddp-scratch-t5-checkpointing", "ddp-scratch-gpt-checkpointing-adamw", "dp-t5",
          "zero3-t5", "fsdp1-t5", "deepspeed-zero3-t5", "zero3-checkpointing-adamw", "fsdp-checkpointing-adamw",
-         "fsdp-no-reshard"],
+         "fsdp-no-reshard", "fsdp-selective-adamw", "ddp-scratch-t5-selective"],
 )
 @cases(lambda strategy, overrides: _case(strategy, 2, **overrides))
 def test_matches_single_device_other_models_and_options(strategy, overrides, request):

@@ -269,9 +269,10 @@ def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path)
     for key in keys:
         model, strategy, gpus, tp, dtype, checkpointing = key.split("|")
         settings = {"model": model, "strategy": strategy, "gpus": int(gpus), "tp": int(tp), "dtype": dtype,
-                    "checkpointing": checkpointing == "1", "optimizer": rng.choice(calculator.OPTIMIZERS),
+                    "checkpointing": checkpointing, "optimizer": rng.choice(calculator.OPTIMIZERS),
                     "gpu": rng.choice([*sorted(GPUS), None])}
-        setup = calculator.setup_of(models[model], strategy, int(gpus), int(tp), dtype, checkpointing == "1",
+        setup = calculator.setup_of(models[model], strategy, int(gpus), int(tp), dtype,
+                                    {"none": False, "full": True}.get(checkpointing, checkpointing),
                                     settings["optimizer"], settings["gpu"] or "unnamed")
         if isinstance(grid[key], str):
             with pytest.raises(ConfigError) as refused:

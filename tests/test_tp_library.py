@@ -22,7 +22,8 @@ from multigpu.strategies.tp_plan import concrete_plan, gpt_plan, parallelize_gpt
 TOLERANCE = 1e-5
 CHECKS = "spmd.tp_library_checks:several"
 SP, NO_LP, AC = {"sequence_parallel": True}, {"loss_parallel": False}, {"activation_checkpointing": True}
-GPT_CASES = [NO_LP, {}, {**SP, **NO_LP}, SP, AC, {**SP, **AC}]
+SAC = {"activation_checkpointing": "selective"}  # the functional collectives' results kept, not run again
+GPT_CASES = [NO_LP, {}, {**SP, **NO_LP}, SP, AC, {**SP, **AC}, SAC, {**SP, **SAC}]
 
 
 def assert_parity(results: list[list[dict]], cases: list[dict]) -> None:

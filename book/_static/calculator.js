@@ -16,7 +16,7 @@
   function entryOf(s) {
     const gpus = s.strategy === "single" ? 1 : s.gpus;
     const tp = s.strategy === "fsdp" || s.strategy.startsWith("pp-") ? s.tp : 1;
-    const key = [s.model, s.strategy, gpus, tp, s.dtype, s.checkpointing ? 1 : 0].join("|");
+    const key = [s.model, s.strategy, gpus, tp, s.dtype, s.checkpointing].join("|");
     return GRID.entries[key] || { error: "this setting is not in the calculator's grid" };
   }
 
@@ -122,7 +122,7 @@
     tp: select("tp", GRID.tp.map((t) => [t, t]), 1),
     dtype: select("dtype", GRID.dtypes.map((d) => [d, d]), "fp32"),
     optimizer: select("optimizer", GRID.optimizers.map((o) => [o, o]), "adamw"),
-    checkpointing: Object.assign(document.createElement("input"), { type: "checkbox", name: "checkpointing" }),
+    checkpointing: select("checkpointing", GRID.recomputation.map((r) => [r, r]), "none"),
     memory: number("memory", 32, 1),
     global_batch: number("global_batch", 8, 1),
   };
@@ -140,7 +140,7 @@
   form.append(
     field("model", inputs.model), field("strategy", inputs.strategy), field("GPUs", inputs.gpus),
     field("tensor-parallel degree (fsdp, pipelines)", inputs.tp), field("precision", inputs.dtype),
-    field("optimizer", inputs.optimizer), field("activation checkpointing", inputs.checkpointing),
+    field("optimizer", inputs.optimizer), field("activation recomputation", inputs.checkpointing),
     field("GPU", gpuNames), field("memory per GPU, GiB", inputs.memory), field("global batch", inputs.global_batch));
   const bar = document.createElement("div");
   bar.className = "mgc-bar";
@@ -163,7 +163,7 @@
     return {
       model: inputs.model.value, strategy: inputs.strategy.value, gpus: Number(inputs.gpus.value),
       tp: Number(inputs.tp.value), dtype: inputs.dtype.value, optimizer: inputs.optimizer.value,
-      checkpointing: inputs.checkpointing.checked, global_batch: Math.max(1, Number(inputs.global_batch.value) || 1),
+      checkpointing: inputs.checkpointing.value, global_batch: Math.max(1, Number(inputs.global_batch.value) || 1),
       gpu: gpuNames.value || null,
     };
   }

@@ -59,7 +59,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default=d.optimizer, help=", ".join(OPTIMIZERS))
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--activation-checkpointing", nargs="?", const=True, default=False,
+                   choices=(True, "full", "selective"), metavar="full|selective",
+                   help="recompute each block's activations in backward: all of them (full, the default) or all "
+                        "but the matrix products' and attention's outputs (selective)")
     p.add_argument("--dataset", default=d.dataset, help="synthetic (learnable) or dummy (random ids)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda")

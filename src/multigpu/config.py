@@ -62,7 +62,7 @@ class RunConfig:
     optimizer: str = "sgd"
     lr: float = 0.01
     steps: int = 10
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # True or "full", "selective" (multigpu.recompute)
     dataset: str = "synthetic"
     dataset_size: int | None = None  # None: enough samples for `steps` steps
     seed: int = 0
@@ -132,6 +132,9 @@ class RunConfig:
         _choose("optimizer", self.optimizer, OPTIMIZERS)
         _choose("device", self.device, DEVICES)
         _choose("dataset", self.dataset, DATASETS)
+        from multigpu.recompute import recompute_mode
+
+        recompute_mode(self.activation_checkpointing)
         for name in ("world_size", "global_batch_size", "grad_accum_steps", "steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

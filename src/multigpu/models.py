@@ -356,14 +356,20 @@ def transformer_block_types(model: nn.Module) -> tuple[type, ...]:
     return (T5Block,)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute each block's activations in backward instead of keeping them."""
+def apply_activation_checkpointing(model: nn.Module, mode: bool | str = True) -> nn.Module:
+    """Recompute each block's activations in backward instead of keeping them: all of them (True,
+    "full") or the cheap ones ("selective"; multigpu.recompute)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing as apply_ac,
     )
 
+    from multigpu.recompute import checkpoint_wrapper_fn, mark_output_projections, recompute_mode
+
+    if recompute_mode(mode) == "selective":
+        mark_output_projections(model)
     block_types = transformer_block_types(model)
-    apply_ac(model, check_fn=lambda m: isinstance(m, block_types))
+    apply_ac(model, checkpoint_wrapper_fn=checkpoint_wrapper_fn(recompute_mode(mode)),
+             check_fn=lambda m: isinstance(m, block_types))
     return model
 
 

@@ -43,6 +43,7 @@ from multigpu.estimator.peak import (
 from multigpu.estimator.question import DEFAULT_CUDA_CONTEXT, GPUS, PIPELINES, Setup, cublas_workspace_bytes
 from multigpu.estimator.share import rank_shares
 from multigpu.memory import CATEGORIES
+from multigpu.recompute import recompute_mode
 from multigpu.records import CHECKOUT, _git_commit
 from multigpu.strategy_table import ESTIMATED
 
@@ -83,7 +84,7 @@ def models(folder: Path) -> dict[str, str]:
     return found
 
 
-def setup_of(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool,
+def setup_of(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool | str,
              optimizer: str = "adamw", gpu: str | None = None) -> Setup:
     """The page's setting as the estimator's question, as a GPU runs it (its kernels: `on_cuda`).
     With `gpu` (a name of GPUS), also what `estimate --gpu` adds for that GPU: the CUDA context
@@ -156,8 +157,11 @@ def entry(setup: Setup, label: str) -> dict:
             "ranks": ranks, "optimizer": optimizer, "step": step}
 
 
-def key(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool) -> str:
-    return f"{model}|{strategy}|{gpus}|{tp}|{dtype}|{int(checkpointing)}"
+RECOMPUTATION = ("none", "full", "selective")  # activation checkpointing's modes (multigpu.recompute)
+
+
+def key(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool | str) -> str:
+    return f"{model}|{strategy}|{gpus}|{tp}|{dtype}|{recompute_mode(checkpointing) or 'none'}"
 
 
 def source_hash() -> str:
@@ -181,7 +185,7 @@ def grid() -> dict:
                 for gpus in (1,) if strategy == "single" else GPU_COUNTS:
                     for tp in tps:
                         for dtype in DTYPES:
-                            for checkpointing in (False, True):
+                            for checkpointing in (False, True, "selective"):
                                 setup = setup_of(model, strategy, gpus, tp, dtype, checkpointing)
                                 entries[key(label, strategy, gpus, tp, dtype, checkpointing)] = entry(setup, label)
         parameters = {label: model_shape(model).parameters for label, model in named.items()}
@@ -192,6 +196,7 @@ def grid() -> dict:
         "categories": list(CATEGORIES), "step_phase": STEP_PHASE,
         "colors": dict(COLORS), "models": parameters, "strategies": list(STRATEGIES),
         "gpus": list(GPU_COUNTS), "tp": list(TP_DEGREES), "dtypes": list(DTYPES), "optimizers": list(OPTIMIZERS),
+        "recomputation": list(RECOMPUTATION),
         "memory": {name: size for name, size in GPUS.items()},
         "gpu_overhead": {name: gpu_overhead(name) for name in GPUS}, "unnamed_gpu_overhead": gpu_overhead(None),
         "cuda_context": DEFAULT_CUDA_CONTEXT,

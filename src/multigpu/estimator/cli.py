@@ -220,7 +220,9 @@ def add_estimator_commands(sub) -> None:
     est.add_argument("--batch-size", type=int, default=None, help="global batch: all ranks together")
     est.add_argument("--max-batch", action="store_true", help="find the largest global batch that fits")
     est.add_argument("--grad-accum-steps", type=int, default=1)
-    est.add_argument("--activation-checkpointing", action="store_true")
+    est.add_argument("--activation-checkpointing", nargs="?", const=True, default=False, metavar="full|selective",
+                     choices=(True, "full", "selective"), help="recompute blocks' activations in backward: all (full, "
+                     "the default) or all but the products' and attention's outputs (selective)")
     est.add_argument("--reshard-after-forward", choices=("true", "false"), default="true", help="fsdp only")
     est.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer state in host memory")
     est.add_argument("--json", action="store_true", help="print one JSON object")
@@ -245,7 +247,9 @@ def add_estimator_commands(sub) -> None:
     adv.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
     adv.add_argument("--seq-len", type=int, default=256)
     adv.add_argument("--target-len", type=int, default=None)
-    adv.add_argument("--activation-checkpointing", action="store_true")
+    adv.add_argument("--activation-checkpointing", nargs="?", const=True, default=False, metavar="full|selective",
+                     choices=(True, "full", "selective"), help="recompute blocks' activations in backward: all (full, "
+                     "the default) or all but the products' and attention's outputs (selective)")
     adv.add_argument("--json", action="store_true")
     adv.add_argument("--dry-run", action="store_true", help="also run the recommended plan and the runner-up at "
                      "their full size on fake tensors (python -m multigpu dryrun) and print what they hold and send "

@@ -15,7 +15,8 @@ checkpointing recomputes each block's forward (not the embeddings' nor the head'
 the block's last product: torch's checkpoint stops recomputing once the last tensor backward
 needs is back, and the MLP's output projection feeds only the residual sum, which saves nothing
 (a mixture of experts saves its experts' outputs to weigh them by the router's scores: it runs
-whole again).
+whole again). Selective recomputation (`multigpu.recompute`) runs again only each block's output
+projections (attention's, the MLP's), but its last product, again by the early stop.
 
 MFU = model FLOPs of a step / (seconds x the peak FLOP/s of the devices that ran it); HFU the
 same with hardware FLOPs. A step's FLOPs are the whole global batch's (every micro-batch of an
@@ -32,6 +33,7 @@ from functools import lru_cache
 from torch import nn
 
 from multigpu.errors import ConfigError
+from multigpu.recompute import is_output_projection, recompute_mode
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class SampleFlops:
     attention: float
     in_blocks: float
     routed: float = 0.0  # of the weights', a mixture of experts' routed experts' (k of E per token)
+    projections: float = 0.0  # of the blocks', the output projections selective recomputation runs again
 
     @property
     def forward(self) -> float:
@@ -56,11 +59,14 @@ class SampleFlops:
     def dropping(self, share: float) -> SampleFlops:
         """The same sample with `share` of its routed experts' products never run (assignments over a capacity)."""
         cut = self.routed * share
-        return SampleFlops(self.weights - cut, self.attention, self.in_blocks - cut, self.routed - cut)
+        return SampleFlops(self.weights - cut, self.attention, self.in_blocks - cut, self.routed - cut,
+                           self.projections)
 
-    def hardware(self, activation_checkpointing: bool) -> float:
-        """What the machine computes: the model's FLOPs, plus the blocks' forward again when checkpointed."""
-        return self.model + (self.in_blocks if activation_checkpointing else 0.0)
+    def hardware(self, activation_checkpointing: bool | str) -> float:
+        """What the machine computes: the model's FLOPs, plus what recomputation runs again: the blocks'
+        forward (full), their output projections (selective)."""
+        mode = recompute_mode(activation_checkpointing)
+        return self.model + {"full": self.in_blocks, "selective": self.projections}.get(mode, 0.0)
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class _Structure:
     target_in_blocks: float
     attentions: tuple[tuple[int, str, str], ...]
     routed: float = 0.0  # of the source weights, the routed experts' (decoders only)
+    projections: tuple[float, float] = (0.0, 0.0)  # (source, target) weights selective recomputation runs again
 
 
 def _query_width(module: nn.Module) -> int | None:
@@ -132,12 +139,18 @@ def _structure(model: str) -> _Structure:
             if id(module) in in_blocks:
                 blocks[stream] += weight.numel() * share
     names = {id(m): n for n, m in built.named_modules()}
+    projections = {"source": 0.0, "target": 0.0}
     for block in transformer_blocks(built):  # checkpointing's early stop: the block's last product is not run again
-        if not any(isinstance(m, MoE) for m in block.modules()):  # (an MoE's outputs are saved: all of it runs)
-            last = [m for m in block.modules() if isinstance(m, nn.Linear)][-1]
+        linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+        last = None if any(isinstance(m, MoE) for m in block.modules()) else linears[-1]  # (an MoE's outputs are
+        if last is not None:  # saved: all of it runs)
             blocks[_streams(names[id(last)], t5)[0]] -= last.weight.numel()
+        for m in linears:
+            if m is not last and is_output_projection(names[id(m)], m):
+                projections[_streams(names[id(m)], t5)[0]] += m.weight.numel()
     return _Structure(weights["source"], weights["target"], blocks["source"], blocks["target"],
-                      tuple((w, q, k) for w, q, k, inside in attentions if inside), routed)
+                      tuple((w, q, k) for w, q, k, inside in attentions if inside), routed,
+                      (projections["source"], projections["target"]))
 
 
 def sample_flops(model: str, seq_len: int, target_len: int | None = None) -> SampleFlops:
@@ -157,7 +170,8 @@ def sample_flops(model: str, seq_len: int, target_len: int | None = None) -> Sam
     weights = 2.0 * (s.source_weights * tokens["source"] + s.target_weights * tokens["target"])
     in_blocks = 2.0 * (s.source_in_blocks * tokens["source"] + s.target_in_blocks * tokens["target"])
     attention = sum(4.0 * width * tokens[q] * tokens[k] for width, q, k in s.attentions)
-    return SampleFlops(weights, attention, in_blocks + attention, 2.0 * s.routed * tokens["source"])
+    projections = 2.0 * (s.projections[0] * tokens["source"] + s.projections[1] * tokens["target"])
+    return SampleFlops(weights, attention, in_blocks + attention, 2.0 * s.routed * tokens["source"], projections)
 
 
 def step_flops(config: dict, seq_len: int | None = None, dropped: float = 0.0) -> tuple[float, float]:

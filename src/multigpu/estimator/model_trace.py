@@ -269,7 +269,7 @@ def StorageWeakRef_of(t: torch.Tensor):
 
 @lru_cache(maxsize=64)
 def activation_cost(model: str, seq_len: int, target_len: int | None = None, weights: str = "fp32",
-                    autocast: bool | str = False, checkpointing: bool = False, dropout: bool = True,
+                    autocast: bool | str = False, checkpointing: bool | str = False, dropout: bool = True,
                     attention: str = "sdpa", device: str = "cpu") -> ActivationCost:
     """Saved activations of `model`, from forward passes on fake tensors at batch 1 and 2:
     the bytes alive when forward returns, its output included (a T5 model returns its
@@ -324,7 +324,7 @@ def _activation_costs(*args) -> dict[str, ActivationCost]:
 
 
 def _traced_costs(model: str, seq_len: int, target_len: int | None, weights: str, autocast: bool | str,
-                  checkpointing: bool, dropout: bool, attention: str) -> dict[str, ActivationCost]:
+                  checkpointing: bool | str, dropout: bool, attention: str) -> dict[str, ActivationCost]:
     """`activation_cost` for every device kind, from one trace."""
     from unittest import mock
 
@@ -353,7 +353,7 @@ def _traced_costs(model: str, seq_len: int, target_len: int | None, weights: str
         raise ConfigError(f"{model} has {positions} positions, so a sample holds at most {positions} tokens; "
                           f"got {seq_len}: pass --seq-len {positions} or less")
     if checkpointing:
-        apply_activation_checkpointing(built)
+        apply_activation_checkpointing(built, checkpointing)
     target_len = target_len or seq_len
     saved, tail, last, encoder = ({d: {} for d in DEVICE_KINDS} for _ in range(4))
     encoder_blocks = len(built.encoder.block) if family == "t5" else 0

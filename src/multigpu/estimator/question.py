@@ -97,7 +97,7 @@ class Setup:
     target_len: int | None = None  # encoder-decoder: the decoder's length (default: seq_len)
     dtype: str = "fp32"
     optimizer: str = "adamw"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # True or "full", "selective" (multigpu.recompute)
     grad_accum_steps: int = 1
     reshard_after_forward: bool = True  # fsdp: False keeps the gathered units from forward to backward
     offload_optimizer: bool = False  # ZeRO-Offload: the optimizer state and step live in host memory
@@ -164,6 +164,9 @@ def check_setup(setup: Setup) -> None:
         raise ConfigError(f"gradient accumulation steps must be at least 1, got {setup.grad_accum_steps}")
     if setup.offload_optimizer and setup.strategy not in ("zero1", "zero2", "zero3"):
         raise ConfigError("optimizer offload (ZeRO-Offload) goes with a ZeRO stage: zero1, zero2 or zero3")
+    from multigpu.recompute import recompute_mode
+
+    recompute_mode(setup.activation_checkpointing)
     _check_cut(setup, grid)
 
 

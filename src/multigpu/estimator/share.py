@@ -17,6 +17,7 @@ from functools import lru_cache
 
 from multigpu.estimator.model_trace import ActivationCost, GPTParts, activation_cost, gpt_parts, model_shape
 from multigpu.estimator.question import PIPELINES, Setup, _zero_stage, data_parallel_kind
+from multigpu.recompute import recompute_mode
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,9 @@ def _model_parallel_share(setup: Setup, rank: int, cost: ActivationCost, full: A
     L = parts.layers
     embeddings = (cost.fixed - L * cost.last_block[0] - cost.tail[0],
                   cost.per_sample - L * cost.last_block[1] - cost.tail[1])
-    whole, cut = _tp_block_values(parts, sp)
-    k_full = (whole + cut / t) / (whole + cut)
-    k = (1 / t if sp else 1) if setup.activation_checkpointing else k_full  # a checkpointed block keeps its input
+    mode = recompute_mode(setup.activation_checkpointing)
+    k_full = _tp_block_values(parts, t, sp, None) / _tp_block_values(parts, 1, False, None)
+    k = _tp_block_values(parts, t, sp, mode) / _tp_block_values(parts, 1, False, mode)
     # a block's part that does not grow with the batch is autocast's bf16 copies of its weights,
     # cut as the weights are
     k_weights = (parts.block_whole + parts.block_cut / t) / (parts.block_whole + parts.block_cut)
@@ -157,10 +158,9 @@ def _model_parallel_share(setup: Setup, rank: int, cost: ActivationCost, full: A
         pipeline_rank=rank if pipeline else None)
 
 
-def _tp_block_values(parts: GPTParts, sequence_parallel: bool) -> tuple[int, int]:
-    """(kept whole, cut by t): values per token that one block saves for backward, split by
-    what a tensor-parallel rank keeps of them. The package's block (fused attention, no
-    dropout) saves, per token:
+def _tp_block_values(parts: GPTParts, t: int, sequence_parallel: bool, recompute: str | None) -> float:
+    """Values per token that one block keeps for backward on a rank of tensor-parallel degree `t`.
+    The package's block (fused attention, no dropout), with nothing recomputed, keeps
     - whole: the outputs of ln_1 and ln_2 (the inputs of the column-parallel linears, which
       every rank needs whole) and the residual stream after attention and after the MLP
       (the next LayerNorm's inputs): 4h; and the LayerNorms' mean and 1/std: 4;
@@ -171,12 +171,24 @@ def _tp_block_values(parts: GPTParts, sequence_parallel: bool) -> tuple[int, int
     dropout masks and the attention scores, which this block does not keep. Under sequence
     parallelism, as torch's library runs it, the residual stream and the LayerNorms are cut
     along the sequence too, but each column-parallel linear keeps its all-gathered input
-    whole (Megatron's own version gathers it again in backward instead): 2h whole."""
-    h, cut = parts.d_model, 4 * parts.d_model + 2 * parts.d_ff + parts.heads
-    if sequence_parallel:
-        return 2 * h, cut + 2 * h + 4
-    return 4 * h + 4, cut
-
+    whole (Megatron's own version gathers it again in backward instead): 2h whole.
+    Full recomputation keeps the block's input alone (cut along the sequence under sequence
+    parallelism). Selective recomputation (multigpu.recompute) keeps the input, q, k, v,
+    attention's output and log-sum-exp, and the MLP's hidden units before GELU; and, with t > 1,
+    the results of the functional collectives it does not run again: the two all-reduces' (2h
+    whole), or under sequence parallelism the two all-gathers' (2h whole) and the two
+    reduce-scatters' (cut)."""
+    h, heads, d_ff = parts.d_model, parts.heads, parts.d_ff
+    sp = sequence_parallel and t > 1
+    if recompute == "full":
+        return h / t if sp else h
+    if recompute == "selective":
+        cut = 4 * h + d_ff + heads
+        if t == 1:
+            return h + cut
+        return 2 * h + (3 * h + cut) / t if sp else 3 * h + cut / t
+    cut = 4 * h + 2 * d_ff + heads
+    return 2 * h + (cut + 2 * h + 4) / t if sp else 4 * h + 4 + cut / t
 
 
 # -- where the layout of the tensors, not only their sum, decides: padding and buckets ------------------------------

@@ -28,6 +28,7 @@ from multigpu.estimator.machines import GPU, Link, Machine
 from multigpu.estimator.model_trace import gpt_parts, model_shape
 from multigpu.estimator.question import PIPELINES, Setup, data_parallel_kind
 from multigpu.estimator.share import bf16_weights, gradient_buckets, rank_shares, sharded_elements, zero2_reduces
+from multigpu.recompute import recompute_mode
 from multigpu.strategy_table import STRATEGY_TABLE
 
 
@@ -65,7 +66,8 @@ def attention_share(setup: Setup) -> float:
     """The share of a step's FLOPs that attention's scores and weighted sums take: what a context-parallel ring's
     transfers can hide behind."""
     flops = _sample_flops(setup)
-    return flops.attention * (4 if setup.activation_checkpointing else 3) / flops_per_sample(setup)
+    full = recompute_mode(setup.activation_checkpointing) == "full"  # selective keeps attention's output
+    return flops.attention * (4 if full else 3) / flops_per_sample(setup)
 
 
 def backward_share(setup: Setup) -> float:
@@ -212,7 +214,7 @@ def collectives(setup: Setup, global_batch: int, pipeline_rank: int | None = Non
         # recompute): its E + 1 counts summed over dp for the balancing loss; with ep, the counts to the ep ranks,
         # then each token's k rows to their experts and back (dispatch, combine), and backward's two; the
         # next layer waits for them: nothing hides
-        passes = m * shape.blocks * (2 if setup.activation_checkpointing else 1)
+        passes = m * shape.blocks * (2 if setup.activation_checkpointing else 1)  # (selective too: in-place c10d)
         out.append(Traffic("moe", "all_reduce", passes * (shape.experts + 1) * 8, dp, 1, passes))
         if grid.ep > 1:
             tokens = global_batch // (dp * m) * setup.seq_len

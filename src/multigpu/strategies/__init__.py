@@ -162,7 +162,7 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
     and tensor parallelism); for a strategy that keeps whole layers the two are the same."""
     strategy = importlib.import_module(f"multigpu.strategies.{cfg.info.module}")
     if cfg.activation_checkpointing and not cfg.info.checkpoints_itself:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, cfg.activation_checkpointing)
     par = strategy.prepare(model, cfg, rt)
     if cfg.dtype == "fp16-mixed":  # RunConfig.validate admits it only where the plain step is right
         if par.train_step is not None or par.step != par.optimizer.step:

@@ -62,7 +62,7 @@ def parallelize(model: nn.Module, cfg, grid, *, shard: bool, root: nn.Module | N
             model, grid.mesh["tp"], sequence_parallel=bool(extra.get("sequence_parallel")),
             loss_parallel=extra.get("loss_parallel", True) if loss_parallel is None else loss_parallel)
     if cfg.activation_checkpointing:  # 3. activation checkpointing
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if shard:  # 4. data parallel, sharded (or hybrid: sharded in groups, the groups replicas)
         replicas = int(extra.get("replicas", 1))
         dp_mesh = grid.mesh["dp"] if replicas == 1 else hybrid_mesh(grid, replicas)
