@@ -218,7 +218,7 @@ RUN_SPMD = {"collectives_bandwidth", "link_model", "tp_width", "tp_collectives",
 # ring's blocks replayed in one process; cp_longest: a CPU budget for gpt-long, whose positions fit any GPU;
 # checkpoint_bytes: a layout's bytes, the same on any device)
 ONE_DEVICE = {"one_device_memory", "one_device_techniques", "machine_peak", "t5_largest_batch", "moe_balance",
-              "moe_capacity", "checkpoint_cost", "machine_limits", "step_profiles"}
+              "moe_capacity", "checkpoint_cost", "machine_limits", "step_profiles", "recomputation"}
 
 
 @pytest.mark.parametrize("server", SERVERS)

@@ -141,3 +141,22 @@ PUBLISHED_MFU = (
     Achieved("530B, TP and sequence parallel, selective recomputation", 0.542, "2,240 A100",
              "Korthikanti et al. 2022: 54.2% (42.1% with full recomputation)"),
 )
+
+
+@dataclass(frozen=True)
+class RecomputeTrade:
+    """A published cost of activation recomputation: the share of the activations it saves and the compute it
+    adds (None where the source gives none)."""
+
+    what: str
+    memory_saved: float | None
+    extra_compute: float | None
+    source: str
+
+
+PUBLISHED_RECOMPUTATION = (
+    RecomputeTrade("selective (attention's scores), GPT-3 175B", 0.70, 0.027,
+                   "Ultra-Scale Playbook, after Korthikanti et al. 2022: \"activation memory -70% for +2.7% compute\""),
+    RecomputeTrade("full", None, 0.30, "Ultra-Scale Playbook: full recomputation costs \"30-40%\" more compute "
+                                       "(the lower end)"),
+)

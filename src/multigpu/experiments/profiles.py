@@ -30,3 +30,25 @@ def step_profiles() -> list[RunConfig]:
         runs.append(ranks.replace(strategy=strategy, grad_accum_steps=accumulation,
                                   extra={"profile": f"traces/{strategy}"}))
     return runs
+
+
+def recomputation() -> list[RunConfig]:
+    """Activation recomputation's trade: none, full and selective (`multigpu.recompute`) on one device, the three
+    in turn twice (their step times compared within one sweep: none, full, selective, none, full, selective), then
+    tensor parallelism at 2 and 4 ranks (one thread each on a CPU; as many GPUs as there are, at most 4), with and
+    without sequence parallelism, in each mode: the activations a rank keeps, against Korthikanti et al.'s table."""
+    model, seq, batch = ("gpt2", 1024, 8) if on_gpus() else ("gpt-small", 256, 8)
+    base = RunConfig(model=model, seq_len=seq, global_batch_size=batch, steps=5, optimizer="adamw", lr=1e-3,
+                     dataset="dummy")
+    modes = (False, True, "selective")
+    runs = [base.replace(activation_checkpointing=mode, extra={"repeat": repeat}) for repeat in (0, 1)
+            for mode in modes]
+    degrees = [t for t in (2, 4) if on_gpus(t)] if on_gpus(2) else [] if on_gpus() else [2, 4]
+    model, _, seq = tp_model()  # (on GPUs not gpt2: its vocabulary does not split over 2 ranks)
+    ranks = base.replace(model=model, seq_len=seq, strategy="tp", steps=3, device=ddp_device(),
+                         threads_per_worker=None if on_gpus(2) else 1)
+    for t in degrees:
+        for sp in (False, True):
+            runs += [ranks.replace(world_size=t, activation_checkpointing=mode,
+                                   extra={"sequence_parallel": True} if sp else {}) for mode in modes]
+    return runs

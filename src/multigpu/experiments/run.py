@@ -43,7 +43,7 @@ from multigpu.experiments.one_device import (
     one_device_techniques,
     t5_largest_batch,
 )
-from multigpu.experiments.profiles import step_profiles
+from multigpu.experiments.profiles import recomputation, step_profiles
 from multigpu.experiments.sharding import fsdp_precision, largest_batch, offload, sharded_memory_comm
 from multigpu.launch import launch
 
@@ -83,6 +83,7 @@ EXPERIMENTS = {
     "checkpoint_bytes": checkpoint_bytes,
     "checkpoint_cost": checkpoint_cost,
     "step_profiles": step_profiles,
+    "recomputation": recomputation,
 }
 
 

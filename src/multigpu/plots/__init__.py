@@ -31,7 +31,7 @@ from multigpu.plots.data_parallel import (
 )
 from multigpu.plots.estimates import estimate_bars, predicted_vs_measured
 from multigpu.plots.experts import busiest_expert, dropped_vs_capacity, load_histogram
-from multigpu.plots.limits import matmul_sweep, mfu_bars, step_breakdown, step_timelines
+from multigpu.plots.limits import matmul_sweep, mfu_bars, recompute_bars, step_breakdown, step_timelines
 from multigpu.plots.model_parallel import beside, bubble_vs_formula, pipeline_timeline, rank_grid, tp_speedup_by_width
 from multigpu.plots.one_device import memory_growth, memory_stacked
 from multigpu.plots.sharding import (
@@ -50,5 +50,5 @@ __all__ = ["COLORS", "DP_PHASES", "PALETTE", "STRATEGY_COLORS", "activations_by_
            "dp_threads", "dropped_vs_capacity", "estimate_bars", "figure_values", "figure_values_html",
            "load_histogram", "loss_curves", "matmul_sweep", "max_batch", "memory_growth", "memory_stacked",
            "mfu_bars", "model_states_vs_formula", "pipeline_timeline", "predicted_vs_measured", "rank_grid",
-           "save_cost", "scaling", "show_values_in_notebooks", "staleness", "step_breakdown", "step_timelines",
-           "tp_speedup_by_width", "zero_stages", "zero_timeline"]
+           "recompute_bars", "save_cost", "scaling", "show_values_in_notebooks", "staleness", "step_breakdown",
+           "step_timelines", "tp_speedup_by_width", "zero_stages", "zero_timeline"]

@@ -83,3 +83,29 @@ def step_timelines(rows: list[dict], records, title="One profiled step, rank by 
     ax.set_title(title)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
+
+
+RECOMPUTE_COLORS = {"none": PALETTE[0], "full": PALETTE[1], "selective": PALETTE[2]}
+
+
+def recompute_bars(rows: list[dict], records, title="What a rank keeps for backward, by recomputation"):
+    """Per configuration (`rows`: {"setting", "mode", "measured", "estimated"}, bytes per token of a rank's
+    micro-batch), one bar per recomputation mode, measured, the estimator's answer marked on it."""
+    fig, (ax,) = _figure(records)
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    modes = [m for m in RECOMPUTE_COLORS if any(r["mode"] == m for r in rows)]
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        for r in rows:
+            if r["mode"] != mode:
+                continue
+            x = settings.index(r["setting"]) + (i - (len(modes) - 1) / 2) * width
+            ax.bar(x, r["measured"] / 2**10, width, color=RECOMPUTE_COLORS[mode],
+                   label=mode if r["setting"] == settings[0] else None)
+            ax.plot([x - width / 2, x + width / 2], [r["estimated"] / 2**10] * 2, color=GREY, lw=2,
+                    label="estimated" if r["setting"] == settings[0] and i == 0 else None)
+    ax.set_xticks(range(len(settings)), settings, fontsize=8)
+    ax.set_ylabel("KiB kept per token, per rank")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
