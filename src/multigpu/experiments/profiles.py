@@ -34,18 +34,19 @@ def step_profiles() -> list[RunConfig]:
 
 def recomputation() -> list[RunConfig]:
     """Activation recomputation's trade: none, full and selective (`multigpu.recompute`) on one device, the three
-    in turn twice (their step times compared within one sweep: none, full, selective, none, full, selective), then
+    in turn three times (their step times compared within one sweep: none, full, selective, none, ...), then
     tensor parallelism at 2 and 4 ranks (one thread each on a CPU; as many GPUs as there are, at most 4), with and
     without sequence parallelism, in each mode: the activations a rank keeps, against Korthikanti et al.'s table."""
-    model, seq, batch = ("gpt2", 1024, 8) if on_gpus() else ("gpt-small", 256, 8)
-    base = RunConfig(model=model, seq_len=seq, global_batch_size=batch, steps=5, optimizer="adamw", lr=1e-3,
+    tp_name, tp_batch, tp_seq = tp_model()  # (on GPUs not gpt2: its vocabulary does not split over 2 ranks)
+    model, seq, batch = ("gpt2", 1024, 8) if on_gpus() else (tp_name, tp_seq, 2 * tp_batch)  # a CPU: one length
+    base = RunConfig(model=model, seq_len=seq, global_batch_size=batch, steps=6, optimizer="adamw", lr=1e-3,
                      dataset="dummy")
     modes = (False, True, "selective")
-    runs = [base.replace(activation_checkpointing=mode, extra={"repeat": repeat}) for repeat in (0, 1)
+    runs = [base.replace(activation_checkpointing=mode, extra={"repeat": repeat}) for repeat in range(3)
             for mode in modes]
     degrees = [t for t in (2, 4) if on_gpus(t)] if on_gpus(2) else [] if on_gpus() else [2, 4]
-    model, _, seq = tp_model()  # (on GPUs not gpt2: its vocabulary does not split over 2 ranks)
-    ranks = base.replace(model=model, seq_len=seq, strategy="tp", steps=3, device=ddp_device(),
+    ranks = base.replace(model=tp_name, seq_len=tp_seq, global_batch_size=tp_batch, strategy="tp", steps=3,
+                         device=ddp_device(),
                          threads_per_worker=None if on_gpus(2) else 1)
     for t in degrees:
         for sp in (False, True):
