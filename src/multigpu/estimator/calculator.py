@@ -48,7 +48,9 @@ from multigpu.records import CHECKOUT, _git_commit
 from multigpu.strategy_table import ESTIMATED
 
 SEQ_LEN = 256
-# GPT-3's widths and depths (Brown et al. 2020, table 2.1) beside the presets, as config files
+# GPT-3's widths and depths (Brown et al. 2020, table 2.1; for 13b, 40 heads of 128 = 5120 where the table
+# prints 5140) beside the presets, as config files. The heads are the book's choice, not the table's:
+# gpt-1.3b has 32 here, the table's XL 24 (the choosing chapter's map uses the same shapes and says so)
 GPT3_SHAPES = {"gpt-1.3b": (2048, 24, 32), "gpt-6.7b": (4096, 32, 32), "gpt-13b": (5120, 40, 40)}
 PRESET_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "t5-large", "t5-3b")
 # every strategy the estimator models as itself (the strategy table's ESTIMATED) but
