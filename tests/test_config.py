@@ -86,6 +86,12 @@ def test_an_unknown_recomputation_is_named(value):
         RunConfig(activation_checkpointing=value).validate()
 
 
+def test_deepspeed_zero3_refuses_selective_recomputation_and_says_why():
+    message = refused(strategy="deepspeed-zero3", world_size=2, activation_checkpointing="selective")
+    assert "adds the bias onto the product's output in place" in message and "activation_checkpointing=True" in message
+    RunConfig(strategy="deepspeed-zero3", world_size=2, activation_checkpointing=True).validate()
+
+
 def test_single_on_two_processes():
     message = refused(strategy="single", world_size=2)
     assert "world_size=2" in message and "'single'" in message

@@ -33,6 +33,10 @@ import torch
 from multigpu.errors import ConfigError
 
 MODES = ("full", "selective")  # what `activation_checkpointing` may name besides True (full) and False (none)
+# why DeepSpeed's ZeRO-3 refuses selective recomputation (strategies.deepspeed.config_problems, and here)
+LINEAR_IN_PLACE = ("DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear with its own function, which adds the "
+                   "bias onto the product's output in place; selective recomputation keeps that output, so its "
+                   "recompute would add the bias twice")
 
 
 def recompute_mode(value) -> str | None:
@@ -111,5 +115,7 @@ def checkpoint_wrapper_fn(mode: str):
     if mode == "full":
         return checkpoint_wrapper
     if mode == "selective":
+        if "deepspeed" in getattr(torch.nn.functional.linear, "__module__", ""):
+            raise ConfigError(LINEAR_IN_PLACE + " (it is replaced in this process): use full recomputation")
         return functools.partial(checkpoint_wrapper, context_fn=_selective_context)
     raise ConfigError(f"no recomputation mode {mode!r}: choose one of {', '.join(MODES)}")

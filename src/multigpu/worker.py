@@ -163,6 +163,10 @@ def main(argv=None) -> NoReturn:
                 record["device_rule_checked"] = guarded  # every collective's tensor was on the rank's device
                 write_atomic(out / "record.json", json.dumps(record).encode())
             del result, state_dict, gathered
+            if isinstance(given, list):  # the next run of the series starts as a fresh process would
+                from multigpu.strategies.deepspeed import restore_torch_linear
+
+                restore_torch_linear()
             dist.barrier()
 
     run_worker(args.out, body)

@@ -11,6 +11,7 @@ from multigpu.estimator.model_trace import model_shape
 from multigpu.estimator.peak import Estimate, estimate, saved_activations
 from multigpu.estimator.question import PIPELINES, Setup, cublas_workspace_bytes
 from multigpu.memory import CATEGORIES
+from multigpu.recompute import recompute_mode
 from multigpu.strategy_table import STRATEGY_TABLE
 
 
@@ -127,9 +128,11 @@ def against_records(records: list[dict]) -> list[dict]:
         est, meas = found.per_rank_bytes, measured_categories(r, found.pipeline_rank or 0)
         d = setup.grid.as_dict()
         grid = ", ".join(f"{k} {d[k]}" for k in ("tp", "pp") if d[k] > 1)
+        recompute = recompute_mode(setup.activation_checkpointing)
         variant = ", ".join(v for v in ("no reshard" if not setup.reshard_after_forward else "",
                                         "SP" if setup.sequence_parallel else "",
-                                        f"m {setup.grad_accum_steps}" if setup.strategy in PIPELINES else "") if v)
+                                        f"m {setup.grad_accum_steps}" if setup.strategy in PIPELINES else "",
+                                        f"{recompute} recompute" if recompute else "") if v)
         rows.append({"experiment": r.get("experiment"), "strategy": r["config"]["strategy"],
                      "variant": variant, "grid": grid, "rank": found.pipeline_rank or 0,
                      "world_size": r["config"]["world_size"], "global_batch": r["config"]["global_batch_size"],

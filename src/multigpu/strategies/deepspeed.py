@@ -57,6 +57,28 @@ def config(cfg, stage: int) -> dict:
     }
 
 
+def config_problems(cfg) -> list[str]:
+    from multigpu.recompute import LINEAR_IN_PLACE, recompute_mode
+
+    if ZERO_STAGE[cfg.strategy] == 3 and recompute_mode(cfg.activation_checkpointing) == "selective":
+        return [LINEAR_IN_PLACE + ": use activation_checkpointing=True (full recomputation) with it"]
+    return []
+
+
+def restore_torch_linear() -> None:
+    """Undo ZeRO-3's replacement of torch.nn.functional.linear, which DeepSpeed says "will persist unless
+    manually reset": a series of runs in one process (the worker's) starts each run as a fresh process would."""
+    import sys
+
+    init = getattr(sys.modules.get("deepspeed.runtime.zero.partition_parameters"),
+                   "InsertPostInitMethodToModuleSubClasses", None)
+    original = getattr(init, "linear_bk", None)
+    if original is not None:
+        import torch
+
+        torch.nn.functional.linear = original
+
+
 def import_deepspeed(device_type: str):
     """Import DeepSpeed for this device; the extension it compiles on first use goes to
     _build/. Ranks take turns, so that two never compile it at once."""
