@@ -77,9 +77,16 @@ def spmd_bodies_importable():
 def traces_kept_for_the_session(tmp_path_factory):
     """The estimator's fake-tensor traces (estimator.model_trace) on disk for this session: a
     chapter executed once per fake GPU server, each time in a new kernel, traces each model
-    once, not once per kernel. A new folder per session: nothing is carried between runs."""
+    once, not once per kernel. Where `make book` ran first (as CI runs it), its folder
+    (_build/traces) serves: a trace's file is named by the hash of everything that makes it (the
+    arguments, torch's and transformers' versions, the source that builds and traces the model),
+    so a file found there is what tracing again would give. Else a new folder for the session."""
+    from multigpu.records import CHECKOUT
+
+    built = CHECKOUT / "_build" / "traces" if CHECKOUT else None
+    folder = built if built is not None and built.is_dir() else tmp_path_factory.mktemp("traces")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MULTIGPU_TRACE_CACHE", str(tmp_path_factory.mktemp("traces")))
+        mp.setenv("MULTIGPU_TRACE_CACHE", str(folder))
         yield
 
 

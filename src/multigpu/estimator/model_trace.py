@@ -295,7 +295,8 @@ def _activation_costs(*args) -> dict[str, ActivationCost]:
     on disk for the processes that follow (the test suite executes a chapter once per fake GPU
     server, each in a new kernel: a trace takes a second or two). The key holds the arguments, a
     config file's text, the versions of torch and transformers and the source of the code that
-    builds and traces the models (moe.py: a mixture of experts'), so a changed one is traced again."""
+    builds and traces the models (moe.py: a mixture of experts'; recompute.py: what a checkpointed block keeps),
+    so a changed one is traced again."""
     import hashlib
     import os
     import pickle
@@ -305,9 +306,9 @@ def _activation_costs(*args) -> dict[str, ActivationCost]:
         return _traced_costs(*args)
     import transformers
 
-    from multigpu import hf, loss, models, moe
+    from multigpu import hf, loss, models, moe, recompute
 
-    sources = (models, hf, loss, moe) if model_shape(args[0]).experts else (models, hf, loss)
+    sources = (models, hf, loss, recompute, *((moe,) if model_shape(args[0]).experts else ()))
     parts = [repr(args), torch.__version__, transformers.__version__, Path(__file__).read_text(),
              *(Path(m.__file__).read_text() for m in sources)]
     if str(args[0]).endswith(".json") and Path(args[0]).is_file():
