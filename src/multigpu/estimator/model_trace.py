@@ -217,7 +217,8 @@ class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
         super().__init__()
         self.skip, self.refs = skip, {}
         self.masks, self.fused = {}, set()  # mask storage -> its elements; storages made inside attention
-        self.in_attention, self.attention_keeps = False, []  # per call: (output's storage, bytes CUDA keeps)
+        self.in_attention, self.attention_keeps = False, []  # per call: (the storages it made, bytes CUDA keeps)
+        self.made_in_call: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.multiprocessing.reductions import StorageWeakRef
@@ -234,12 +235,14 @@ class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
                     self.refs[key] = (StorageWeakRef(storage), storage.nbytes())
                     self.masks.pop(key, None)
                     (self.fused.add if self.in_attention else self.fused.discard)(key)
+                    if self.in_attention:
+                        self.made_in_call.append(self.refs[key][0])
         return out
 
     def attention(self, sdpa):
         """`scaled_dot_product_attention`, its calls marked: what they make is the fused kernel's."""
         def call(query, key, value, *args, **kwargs):
-            self.in_attention = True
+            self.in_attention, self.made_in_call = True, []
             try:
                 out = sdpa(query, key, value, *args, **kwargs)
             finally:
@@ -248,7 +251,7 @@ class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
             mask = kwargs.get("attn_mask", args[0] if args else None)
             masks = (MASK_COPIES_ON_CUDA * rows * key.shape[-2] * mask.element_size()
                      if isinstance(mask, torch.Tensor) and mask.is_floating_point() else 0)
-            self.attention_keeps.append((StorageWeakRef_of(out), out.untyped_storage().nbytes() + rows * 4 + masks))
+            self.attention_keeps.append((self.made_in_call, out.untyped_storage().nbytes() + rows * 4 + masks))
             return out
         return call
 
@@ -258,13 +261,9 @@ class _AliveStorages(torch.utils._python_dispatch.TorchDispatchMode):
             return sum(alive.values())
         kept = sum(n for k, n in alive.items() if k not in self.fused)
         masks = sum(alive[k] - self.masks[k] for k in self.masks if k in alive and k not in self.fused)
-        return kept - masks + sum(n for _, n in self.attention_keeps)
-
-
-def StorageWeakRef_of(t: torch.Tensor):
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return StorageWeakRef(t.untyped_storage())
+        # a call's keeps count while anything it made lives (what this device's kernel keeps for backward): a
+        # fully recomputed block frees all of it when its forward ends, and CUDA's would be freed with it
+        return kept - masks + sum(n for made, n in self.attention_keeps if any(not ref.expired() for ref in made))
 
 
 @lru_cache(maxsize=64)
