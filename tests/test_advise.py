@@ -327,3 +327,51 @@ def test_when_the_sequence_is_what_does_not_fit_the_advisor_cuts_it():
                                "cp": advice.plan.degrees["cp"], "model": "gpt-long", "seq_len": 16384,
                                "global_batch_size": advice.global_batch, "device": "cpu"})
     run.validate()  # the plan is a run the package accepts
+
+
+def test_a_named_gpu_computes_at_its_own_datasheet_peak():
+    """`advise --gpu v100-32gb` times each plan's compute at a V100's FP32 peak, not an H100's: the same plans,
+    their compute slower by the datasheets' ratio; an unnamed GPU of the same memory is the H100 assumption."""
+    from multigpu.estimator.machines import GPU_SHEETS
+
+    base = Setup("gpt2-medium", seq_len=256, optimizer="adamw")
+    named = advise(base, gpus=8, memory_bytes=32 * 2**30, gpu="v100-32gb", global_batch=64)
+    unnamed = advise(base, gpus=8, memory_bytes=32 * 2**30, global_batch=64)
+    assert "V100" in named.machine.gpu.name and "H100" in unnamed.machine.gpu.name
+    ratio = H100_SXM.fp32_flops / GPU_SHEETS["v100-32gb"].fp32_flops
+    pairs = {p.label: p for p in unnamed.plans}
+    for plan in named.plans:
+        assert plan.time.compute_s == pytest.approx(pairs[plan.label].time.compute_s * ratio, rel=1e-9)
+    with pytest.raises(ConfigError, match="unknown GPU 'b200'"):
+        advise(base, gpus=8, memory_bytes=32 * 2**30, gpu="b200")
+
+
+def test_every_named_gpu_has_a_datasheet_and_cuda_names_find_theirs():
+    """Every --gpu name has its own peaks and source; a name CUDA reports finds its card ("A10" is inside
+    "A100", "L4" inside "L40S": the longest name wins); a CPU finds none."""
+    from multigpu.estimator.machines import GPU_SHEETS
+    from multigpu.estimator.question import GPUS
+    from multigpu.experiments.limits import datasheet
+
+    assert set(GPU_SHEETS) == set(GPUS)
+    assert all(GPU_SHEETS[k].memory_bytes == GPUS[k] and GPU_SHEETS[k].source for k in GPUS)
+    for reported, key in [("NVIDIA H200", "h200-141gb"), ("NVIDIA H100 80GB HBM3", "h100-80gb"),
+                          ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+                          ("NVIDIA A10", "a10-24gb"), ("NVIDIA L40S", "l40s-48gb"),
+                          ("NVIDIA L4", "l4-24gb"), ("Tesla V100-SXM2-32GB", "v100-32gb"),
+                          ("NVIDIA GeForce RTX 4090", "rtx4090-24gb")]:
+        assert datasheet(reported)["name"] == GPU_SHEETS[key].name, reported
+        assert datasheet(reported)["bf16"] == GPU_SHEETS[key].bf16_flops
+    assert datasheet("AMD EPYC 7B13") is None
+
+
+def test_slow_links_take_the_guides_slow_entry_only_when_memory_is_short(gpt):
+    """The guide's slow-link entry reads "when you have slow inter-node connectivity and still low on GPU memory":
+    a model that fits on one GPU is not short of memory, and takes the entry for a model that fits (DDP first),
+    with the reason said; one that does not fit takes the slow-link entry."""
+    small = advise(mixed(gpt["gpt-350m"]), machine="2x8xh100-100g", global_batch=BATCH)
+    assert small.case == "fits on one GPU" and "still low on GPU memory" in small.reasons[0]
+    big = advise(mixed(gpt["gpt-13b"]), machine="2x8xh100-100g", global_batch=BATCH)
+    assert big.case == "several nodes, slow links"
+    fast = advise(mixed(gpt["gpt-350m"]), machine="2x8xh100-ib", global_batch=BATCH)
+    assert fast.case == "several nodes, fast links"

@@ -192,14 +192,15 @@ def default_global_batch(seq_len: int, gpus: int) -> int:
 
 def advise(base: Setup, gpus: int | None = None, memory_bytes: int | None = None, nodes: int = 1,
            interconnect: str = "fast", machine: Machine | str | None = None,
-           global_batch: int | None = None, overlap: bool = True) -> Advice:
+           global_batch: int | None = None, overlap: bool = True, gpu: str | None = None) -> Advice:
     """Recommend how to train `base.model` (its dtype, optimizer, lengths, checkpointing) on
     `machine` (a `machines.MACHINES` name or a Machine), or on `gpus` GPUs of `memory_bytes`
     in `nodes` nodes whose links between nodes are `interconnect` ("fast" or "slow"), with
     `global_batch` samples per step (default `default_global_batch`). `memory_bytes` with a
     machine: use that much of each GPU. overlap=False: time the steps as if no collective hid
-    behind compute (`step_time.step_time`)."""
-    machine = _machine(machine, gpus, memory_bytes, nodes, interconnect)
+    behind compute (`step_time.step_time`). `gpu` (a key of `machines.GPU_SHEETS`): the GPUs of a machine
+    given by counts compute at that GPU's datasheet peaks, not an H100's."""
+    machine = _machine(machine, gpus, memory_bytes, nodes, interconnect, gpu)
     memory = memory_bytes or machine.gpu.memory_bytes
     if memory <= 0:
         raise ConfigError(f"the memory of one GPU of {machine.name} is not known: give it (e.g. 16GiB)")
@@ -252,7 +253,7 @@ def _speed(plan: Plan) -> tuple:
     return plan.time.total_s, SIMPLEST_FIRST.index(plan.family), plan.setup.grad_accum_steps
 
 
-def _machine(machine, gpus, memory_bytes, nodes, interconnect) -> Machine:
+def _machine(machine, gpus, memory_bytes, nodes, interconnect, gpu=None) -> Machine:
     if isinstance(machine, str):
         if machine not in MACHINES:
             raise ConfigError(f"unknown machine {machine!r}; choose one of: {', '.join(MACHINES)}")
@@ -265,7 +266,7 @@ def _machine(machine, gpus, memory_bytes, nodes, interconnect) -> Machine:
         raise ConfigError("give a machine (e.g. 8xh100-nvlink), or the GPUs and the memory of one GPU")
     if interconnect not in ("fast", "slow"):
         raise ConfigError(f"--interconnect must be fast or slow, got {interconnect!r}")
-    return generic_machine(gpus, nodes, memory_bytes, interconnect == "fast")
+    return generic_machine(gpus, nodes, memory_bytes, interconnect == "fast", gpu)
 
 
 def _case(base: Setup, machine: Machine, memory: int) -> tuple[str, str]:
@@ -276,11 +277,16 @@ def _case(base: Setup, machine: Machine, memory: int) -> tuple[str, str]:
     fits = one.per_rank_bytes["total"] <= memory
     need = (f"one sample needs {one.per_rank_bytes['total'] / 2**30:.1f} GiB on one GPU, of which the model states "
             f"are {states.per_rank_bytes['total'] / 2**30:.1f} GiB")
-    if machine.nodes > 1:
+    if machine.nodes > 1 and (machine.fast_between_nodes or not fits):
+        # the guide's slow-link entry is for a model "still low on GPU memory": one that does not fit on one GPU
         speed = "fast" if machine.fast_between_nodes else "slow"
         return f"several nodes, {speed} links", (f"{machine.nodes} nodes joined by {machine.inter.name} ({speed}); "
                                                   f"{name} {'fits' if fits else 'does not fit'} on one {gib:.0f} GiB "
                                                   f"GPU ({need})")
+    if fits and machine.nodes > 1:
+        return "fits on one GPU", (f"{name} fits on one {gib:.0f} GiB GPU ({need}), so it is not \"still low on GPU "
+                                   f"memory\", the guide's condition for its slow-link entry ({machine.nodes} nodes "
+                                   f"joined by {machine.inter.name})")
     if fits:
         return "fits on one GPU", f"{name} fits on one {gib:.0f} GiB GPU ({need})"
     block = model_shape(base.model).largest_block

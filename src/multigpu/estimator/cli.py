@@ -107,7 +107,8 @@ def cmd_advise(args) -> int:
                  optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
                  cuda_context_bytes=context)
     advice = advise(base, args.gpus, memory, nodes=args.nodes, interconnect=args.interconnect,
-                    machine=args.machine, global_batch=args.global_batch, overlap=not args.no_overlap)
+                    machine=args.machine, global_batch=args.global_batch, overlap=not args.no_overlap,
+                    gpu=args.gpu)
     if args.json:
         print(json.dumps(advice.as_dict()))
         return 0

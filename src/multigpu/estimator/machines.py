@@ -90,6 +90,47 @@ A100_SXM = GPU("A100 SXM4 80GB", GPUS["a100-80gb"], 312e12, 19.5e12,
 A100_PCIE = GPU("A100 PCIe 80GB", GPUS["a100-80gb"], 312e12, 19.5e12,
                 "NVIDIA A100 Tensor Core GPU datasheet (PCIe): BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, 80 GB")
 
+# every GPU `--gpu` names (question.GPUS), with its own datasheet's dense peaks: a named GPU computes as
+# itself, not as an H100. Datasheets give 16-bit tensor-core rates with sparsity; these are the dense halves.
+GPU_SHEETS = {
+    "v100-16gb": GPU("V100 SXM2 16GB", GPUS["v100-16gb"], 125e12, 15.7e12,
+                     "NVIDIA V100 Tensor Core GPU datasheet (SXM2): Tensor Performance 125 TFLOPS, FP32 15.7 "
+                     "TFLOPS. Volta's tensor cores compute fp16, not bf16: the 16-bit rate is fp16-mixed's"),
+    "v100-32gb": GPU("V100 SXM2 32GB", GPUS["v100-32gb"], 125e12, 15.7e12,
+                     "NVIDIA V100 Tensor Core GPU datasheet (SXM2): Tensor Performance 125 TFLOPS, FP32 15.7 "
+                     "TFLOPS. Volta's tensor cores compute fp16, not bf16: the 16-bit rate is fp16-mixed's"),
+    "a10-24gb": GPU("A10 24GB", GPUS["a10-24gb"], 125e12, 31.2e12,
+                    "NVIDIA A10 Tensor Core GPU datasheet: BF16 Tensor Core 125 TFLOPS (250 with sparsity), FP32 "
+                    "31.2 TFLOPS"),
+    "a100-40gb": GPU("A100 SXM4 40GB", GPUS["a100-40gb"], 312e12, 19.5e12,
+                     "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, 40 GB"),
+    "a100-80gb": A100_SXM,
+    "l4-24gb": GPU("L4 24GB", GPUS["l4-24gb"], 121e12, 30.3e12,
+                   "NVIDIA L4 Tensor Core GPU datasheet: BF16 Tensor Core 242 TFLOPS with sparsity (121 dense), "
+                   "FP32 30.3 TFLOPS"),
+    "l40s-48gb": GPU("L40S 48GB", GPUS["l40s-48gb"], 362e12, 91.6e12,
+                     "NVIDIA L40S GPU datasheet: BF16 Tensor Core 362 TFLOPS (733 with sparsity), FP32 91.6 TFLOPS"),
+    "h100-80gb": H100_SXM,
+    "h200-141gb": GPU("H200 SXM 141GB", GPUS["h200-141gb"], 989e12, 67e12,
+                      "NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 Tensor Core 1,979 TFLOPS with sparsity "
+                      "(989 dense), FP32 67 TFLOPS, 141 GB"),
+    "rtx4090-24gb": GPU("GeForce RTX 4090", GPUS["rtx4090-24gb"], 165.2e12, 82.6e12,
+                        "NVIDIA Ada Lovelace architecture whitepaper, RTX 4090: BF16 tensor 165.2 TFLOPS dense "
+                        "with FP32 accumulate (330.4 with sparsity), FP32 82.6 TFLOPS"),
+}
+# how CUDA names them (torch.cuda.get_device_name), longest first: "A10" is in "A100", "L4" in "L40S"
+_DEVICE_NAMES = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100-SXM4-40GB", "a100-40gb"),
+                 ("A100-PCIE-40GB", "a100-40gb"), ("A100", "a100-80gb"), ("A10", "a10-24gb"),
+                 ("L40S", "l40s-48gb"), ("L4", "l4-24gb"), ("V100", "v100-32gb"), ("RTX 4090", "rtx4090-24gb"))
+
+
+def sheet_of_device(device_name: str) -> GPU | None:
+    """The catalogue's GPU for a name CUDA reports ('NVIDIA H200', 'NVIDIA A100-SXM4-40GB'), or None."""
+    for word, key in _DEVICE_NAMES:
+        if word in device_name:
+            return GPU_SHEETS[key]
+    return None
+
 NVLINK4 = Link("NVLink 4 through NVSwitch", 450e9, 10e-6,
                "NVIDIA H100 datasheet: 900 GB/s of NVLink per GPU, both directions together")
 NVLINK3 = Link("NVLink 3 through NVSwitch", 300e9, 10e-6,
@@ -116,18 +157,23 @@ MACHINES = {
 }
 
 
-def generic_machine(gpus: int, nodes: int, memory_bytes: int, fast: bool) -> Machine:
+def generic_machine(gpus: int, nodes: int, memory_bytes: int, fast: bool, gpu: str | None = None) -> Machine:
     """A machine given only by counts and memory (the CLI's --gpus --nodes --gpu-memory
-    --interconnect): H100 SXM compute and NVLink 4 inside a node, and between nodes 8 x 400 Gb/s
-    InfiniBand (fast) or one 100 Gb/s Ethernet port (slow). An assumption, said by its name."""
+    --interconnect), and perhaps the GPU's name (--gpu, a key of GPU_SHEETS), which brings that
+    GPU's datasheet peaks; without one, H100 SXM compute (an assumption, said by its name). Links:
+    NVLink 4 inside a node, and between nodes 8 x 400 Gb/s InfiniBand (fast) or one 100 Gb/s
+    Ethernet port (slow), assumed whatever the GPU."""
     if gpus < 1 or nodes < 1 or gpus % nodes:
         raise ConfigError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
-    gpu = GPU(f"a GPU of {memory_bytes / 2**30:.0f} GiB, computing as an H100 SXM (assumption)", memory_bytes,
-              H100_SXM.bf16_flops, H100_SXM.fp32_flops, H100_SXM.source)
+    if gpu is not None and gpu not in GPU_SHEETS:
+        raise ConfigError(f"unknown GPU {gpu!r}; choose one of: {', '.join(GPU_SHEETS)}")
+    sheet = GPU_SHEETS[gpu] if gpu else None
+    chip = GPU(f"{sheet.name} ({memory_bytes / 2**30:.0f} GiB)" if sheet else
+               f"a GPU of {memory_bytes / 2**30:.0f} GiB, computing as an H100 SXM (assumption)", memory_bytes,
+               (sheet or H100_SXM).bf16_flops, (sheet or H100_SXM).fp32_flops, (sheet or H100_SXM).source)
     return Machine(f"{gpus} GPUs in {nodes} node(s), NVLink 4 inside, {'fast' if fast else 'slow'} links between "
-                   "(assumed)", gpu, gpus // nodes, nodes, NVLINK4, IB_NDR_X8 if fast else ETH_100G,
+                   "(assumed)", chip, gpus // nodes, nodes, NVLINK4, IB_NDR_X8 if fast else ETH_100G,
                    fast_between_nodes=fast)
-
 
 def describe(machine: Machine) -> list[str]:
     """The machine's numbers, each with its source (or 'assumption')."""

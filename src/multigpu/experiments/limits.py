@@ -87,15 +87,14 @@ def memory_rate(device: str, threads: int | None, size_bytes: int) -> dict:
 
 
 def datasheet(device_name: str) -> dict | None:
-    """The dense peaks a GPU's datasheet gives (estimator.machines), if it is one of those GPUs."""
-    from multigpu.estimator.machines import A100_SXM, H100_SXM
+    """The dense peaks a GPU's datasheet gives (`estimator.machines.GPU_SHEETS`), if it is one of those GPUs."""
+    from multigpu.estimator.machines import sheet_of_device
 
-    for gpu, names in ((H100_SXM, ("H100", "H200")), (A100_SXM, ("A100",))):  # an H200 computes as an H100
-        if any(name in device_name for name in names):
-            return {"name": gpu.name, "fp32": gpu.fp32_flops, "tf32": gpu.bf16_flops / 2, "bf16": gpu.bf16_flops,
-                    "fp16": gpu.bf16_flops, "source": gpu.source}
-    return None
-
+    gpu = sheet_of_device(device_name)
+    if gpu is None:
+        return None
+    return {"name": gpu.name, "fp32": gpu.fp32_flops, "tf32": gpu.bf16_flops / 2, "bf16": gpu.bf16_flops,
+            "fp16": gpu.bf16_flops, "source": gpu.source}
 
 def _limits_records(device: str, threads: int | None) -> list[dict]:
     gpu = device == "cuda"

@@ -9,9 +9,9 @@ CATEGORY_COLORS = {"matmul": PALETTE[0], "attention": PALETTE[4], "communication
                    "optimizer": PALETTE[2], "other operators": PALETTE[1], "outside operators": LIGHT}
 
 
-def matmul_sweep(records, title="What a matrix product reaches here, by size"):
+def matmul_sweep(records, title="What a matrix product reaches here, by size", sheet: dict | None = None):
     """FLOP/s of n x n products by n (experiment machine_limits): one line per dtype (and CPU thread count), the
-    datasheet's dense peak dashed where the records name one."""
+    datasheet's dense peak dashed: `sheet` (`experiments.limits.datasheet`), else the one the records name."""
     fig, (ax,) = _figure(records)
     series: dict = {}
     for r in records:
@@ -22,7 +22,7 @@ def matmul_sweep(records, title="What a matrix product reaches here, by size"):
         points.sort()
         ax.plot([n for n, _, _ in points], [f / 1e9 for _, f, _ in points], "o-", color=PALETTE[i % len(PALETTE)],
                 label=label)
-    sheet = next((r["datasheet"] for r in records if r.get("datasheet")), None)
+    sheet = sheet or next((r["datasheet"] for r in records if r.get("datasheet")), None)
     for i, (label, _) in enumerate(sorted(series.items())):
         dtype = label.split(",")[0]
         if sheet and dtype in sheet:
