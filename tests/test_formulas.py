@@ -11,8 +11,10 @@ import torch
 from torch import nn
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import (
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
     _Action,
     _ComputationType,
 )
@@ -41,11 +43,14 @@ from multigpu.estimator.formulas import (
     tp_mlp_even_width,
     tp_step_calls,
     tp_step_payloads,
+    v_schedule_bubble,
     zero_payloads,
 )
 from multigpu.models import GPT_SIZES
 
 F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+I, W = _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT
+COST = {F: 1, B: 2, I: 1, W: 1}  # a stage's forward 1 unit, its backward 2: the input's gradient 1, the weights' 1
 
 
 def committed(experiment: str) -> list[dict]:
@@ -59,10 +64,12 @@ def committed(experiment: str) -> list[dict]:
 
 
 def library_orders(schedule, p: int, m: int, v: int) -> list[list[_Action]]:
-    """Each rank's compute actions in the order torch.distributed.pipelining runs them."""
+    """Each rank's compute actions in the order torch.distributed.pipelining runs them (an overlapped forward and
+    backward, DualPipeV's, as its two actions one after the other)."""
     with contextlib.redirect_stdout(io.StringIO()):
         ops = get_schedule_ops(schedule, p, m, v if v > 1 else None)
-    return [[a for a in rank if a is not None and a.computation_type in (F, B)] for rank in ops]
+    return [[sub for a in rank if a is not None for sub in (a.sub_actions or [a]) if sub.computation_type in COST]
+            for rank in ops]
 
 
 def scratch_orders(p: int, m: int) -> list[list[_Action]]:
@@ -75,7 +82,9 @@ def scratch_orders(p: int, m: int) -> list[list[_Action]]:
 def run_on_a_clock(orders: list[list[_Action]], v: int) -> tuple[list[float], float]:
     """Run every rank's actions in its order, each as soon as its input exists: a stage's forward
     1 unit, its backward 2 (a stage is 1/v of a rank's share, so a micro-batch's whole forward on
-    a rank is v units). Returns (units each rank computed, the step's length)."""
+    a rank is v units), split by the zero-bubble schedules into the input's gradient (1, which the
+    stage before waits for) and the weights' (1, after its own input's). Returns (units each rank
+    computed, the step's length)."""
     stages, done = v * len(orders), {}
     clock, busy, position = [0.0] * len(orders), [0.0] * len(orders), [0] * len(orders)
     moved = True
@@ -84,15 +93,15 @@ def run_on_a_clock(orders: list[list[_Action]], v: int) -> tuple[list[float], fl
         for r, order in enumerate(orders):
             while position[r] < len(order):
                 a = order[position[r]]
-                s, i, forward = a.stage_index, a.microbatch_index, a.computation_type == F
-                needs = ((s - 1, True, i) if s > 0 else None) if forward else \
+                s, i, kind = a.stage_index, a.microbatch_index, a.computation_type
+                forward = kind == F
+                needs = ((s - 1, True, i) if s > 0 else None) if forward else (s, False, i) if kind == W else \
                     ((s, True, i) if s == stages - 1 else (s + 1, False, i))
                 if needs is not None and needs not in done:
                     break
-                cost = 1 if forward else 2
-                clock[r] = max(clock[r], done.get(needs, 0.0)) + cost
-                busy[r] += cost
-                done[(s, forward, i)] = clock[r]
+                clock[r] = max(clock[r], done.get(needs, 0.0)) + COST[kind]
+                busy[r] += COST[kind]
+                done[(s, forward, i) if kind != W else (s, "weights", i)] = clock[r]
                 position[r] += 1
                 moved = True
     assert all(position[r] == len(o) for r, o in enumerate(orders)), "the schedule deadlocked"
@@ -121,6 +130,16 @@ def test_the_bubble_step_and_micro_batches_in_flight_are_those_of_the_schedules_
             alive += 1 if a.computation_type == F else -1
             most = max(most, alive)
         assert math.isclose(most / v, micro_batches_in_flight(f"pp-{name}", p, m, rank, v)), rank
+
+
+@pytest.mark.parametrize("schedule", [ScheduleZBVZeroBubble, ScheduleDualPipeV])
+@pytest.mark.parametrize("p, m", [(p, m) for p in (2, 3, 4) for m in (2 * p, 3 * p, 5 * p)])
+def test_the_v_schedules_idle_their_formulas_share_when_run_on_a_clock(schedule, p, m):
+    """ZB-V and DualPipeV as torch lists their actions, with every stage's forward, input gradient and weight
+    gradient one unit each: every rank computes 6m units of a step of 6m + p - 1."""
+    busy, step = run_on_a_clock(library_orders(schedule, p, m, 2), 2)
+    assert all(computed == 6 * m for computed in busy)
+    assert math.isclose(1 - busy[0] / step, v_schedule_bubble(p, m))
 
 
 @pytest.mark.parametrize("p, v, target", [(4, 1, 0.10), (4, 2, 0.10), (8, 1, 0.05), (2, 1, 0.5), (3, 2, 0.2)])

@@ -35,6 +35,18 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def v_schedule_bubble(p: int, m: int) -> float:
+    """The share of a step each rank idles under the V schedules (zero-bubble ZB-V, Qi et al. 2024; DualPipeV,
+    DeepSeek-AI 2024, torch's ScheduleDualPipeV), when a stage's forward, input gradient and weight gradient
+    each take one unit t (the zero-bubble paper's t_F = t_B = t_W) and nothing overlaps: (p-1)/(6m+p-1).
+
+    p ranks of two stages each (rank r holds r and 2p-1-r), m >= 2p micro-batches: a rank computes 6m units
+    and the step lasts 6m + p - 1, the fill of one forward unit per rank before the last. The count of torch's
+    own schedules run on a clock (tests/test_formulas.py), not the papers' tables: DualPipe's
+    (PP/2-1)(F&B+B-3W) assumes a forward and a backward overlapped into one F&B, which these stages do not."""
+    return (p - 1) / (6 * m + p - 1)
+
+
 def bubble_over_ideal(p: int, m: int, v: int = 1) -> float:
     """The same idle time over the ideal step, not the actual one: (p-1)/(vm).
 

@@ -86,8 +86,9 @@ def pp_bubble() -> list[Job]:
         for schedule in ("pp-naive", "pp-gpipe-scratch", "pp-1f1b-scratch"):
             jobs.append(Job(f"{schedule} p={p}", _pp_bubble_records,
                             dict(implementation="scratch", schedule=schedule, stages=p, ms=[1, 2, 4, 8, 16])))
-        for schedule in ("pp-gpipe", "pp-1f1b", "pp-interleaved", "pp-zbv"):
-            needs = 2 * p if schedule in ("pp-interleaved", "pp-zbv") else p if schedule == "pp-1f1b" else 1
+        for schedule in ("pp-gpipe", "pp-1f1b", "pp-interleaved", "pp-zbv", "pp-dualpipev"):
+            needs = 2 * p if schedule in ("pp-interleaved", "pp-zbv", "pp-dualpipev") else \
+                p if schedule == "pp-1f1b" else 1
             jobs.append(Job(f"{schedule} p={p}", _pp_bubble_records,
                             dict(implementation="library", schedule=schedule, stages=p,
                                  ms=[m for m in (1, 2, 4, 8, 16) if m >= needs])))
