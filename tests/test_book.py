@@ -127,6 +127,15 @@ def test_first_code_cell_says_how_to_install_the_package_when_the_kernel_lacks_i
     assert "subprocess" not in first and not re.search(r"^\s*%pip", first, re.M)
 
 
+@pytest.mark.parametrize("chapter", [c for c in chapters() if c.stem != "intro"], ids=lambda p: p.stem)
+def test_the_setup_cell_is_folded_in_the_html(chapter):
+    """The cell after the install check sets the chapter up (imports, shared values): the page folds it
+    behind a toggle (hide-input), so that the chapter opens on its text and figures; the notebook keeps it."""
+    second = chapter.read_text().split("```{code-cell} ipython3\n", 2)[2].split("\n```", 1)[0]
+    assert second.startswith(":tags: [hide-input]\n"), f"{chapter.stem}: the setup cell is shown whole"
+    assert re.search(r"^(import|from) ", second, re.M), f"{chapter.stem}: the second cell is not the setup"
+
+
 def test_the_glossary_names_what_exists_and_links_every_chapter():
     """Every package name in the glossary is real (a strategy, a flag of `run`, a Python name),
     every chapter is linked from it, and every term has its Korean."""
