@@ -20,7 +20,7 @@ from multigpu.estimator.model_trace import gpt_parts, model_shape
 from multigpu.estimator.peak import estimate
 from multigpu.estimator.question import PIPELINES, Setup
 from multigpu.estimator.step_time import group_link, step_time
-from test_cli import in_process
+from test_cli import in_process, only_json_line
 
 GIB = 2**30
 BATCH = 256  # samples of 2048 tokens per step: half a million tokens
@@ -375,3 +375,16 @@ def test_slow_links_take_the_guides_slow_entry_only_when_memory_is_short(gpt):
     assert big.case == "several nodes, slow links"
     fast = advise(mixed(gpt["gpt-350m"]), machine="2x8xh100-ib", global_batch=BATCH)
     assert fast.case == "several nodes, fast links"
+
+
+def test_the_advisor_answers_for_a_gpu_as_estimate_gpu_does():
+    """Issue 33 N1: `advise --gpu v100-32gb` weighs each plan with the GPU's kernels, allocator, cuBLAS
+    workspaces and CUDA context, as `estimate --gpu` does: gpt2-xl's DDP, fp32 AdamW, one sample per GPU,
+    is the same number of bytes in both (it had fitted the advisor's CPU step and not the GPU's)."""
+    common = ["--model", "gpt2-xl", "--gpu", "v100-32gb", "--optimizer", "adamw", "--seq-len", "256", "--json"]
+    advised = only_json_line(in_process("advise", "--gpus", "8", "--global-batch", "8", *common).stdout)
+    estimated = only_json_line(in_process("estimate", "--strategy", "ddp", "--world-size", "8", "--batch-size", "8",
+                                          *common).stdout)
+    ddp = next(p for p in advised["plans"] + advised["too_big"] if p["label"] == "ddp")
+    assert ddp["per_gpu_bytes"] == estimated["per_rank_bytes"]["total"]
+    assert ddp in advised["too_big"]  # 35.3 GiB: more than the V100's 32

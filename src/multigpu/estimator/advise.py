@@ -28,7 +28,7 @@ from multigpu.errors import ConfigError
 from multigpu.estimator.machines import MACHINES, Machine, describe, generic_machine
 from multigpu.estimator.model_trace import gpt_parts, model_shape
 from multigpu.estimator.peak import Estimate, estimate
-from multigpu.estimator.question import PIPELINES, Setup
+from multigpu.estimator.question import PIPELINES, Setup, cublas_workspace_bytes
 from multigpu.estimator.step_time import StepTime, step_time
 from multigpu.strategy_table import STRATEGY_TABLE
 
@@ -199,8 +199,12 @@ def advise(base: Setup, gpus: int | None = None, memory_bytes: int | None = None
     `global_batch` samples per step (default `default_global_batch`). `memory_bytes` with a
     machine: use that much of each GPU. overlap=False: time the steps as if no collective hid
     behind compute (`step_time.step_time`). `gpu` (a key of `machines.GPU_SHEETS`): the GPUs of a machine
-    given by counts compute at that GPU's datasheet peaks, not an H100's."""
+    given by counts compute at that GPU's datasheet peaks, not an H100's. A `base` asked on_cuda (as
+    `python -m multigpu advise` asks: its machines are GPUs) is estimated with the GPU's kernels, and, where it
+    gives none, with cuBLAS's workspaces of the machine's GPU."""
     machine = _machine(machine, gpus, memory_bytes, nodes, interconnect, gpu)
+    if base.on_cuda and not base.cuda_workspace_bytes:
+        base = replace(base, cuda_workspace_bytes=cublas_workspace_bytes(gpu or machine.gpu.name))
     memory = memory_bytes or machine.gpu.memory_bytes
     if memory <= 0:
         raise ConfigError(f"the memory of one GPU of {machine.name} is not known: give it (e.g. 16GiB)")

@@ -105,7 +105,7 @@ def cmd_advise(args) -> int:
         context = DEFAULT_CUDA_CONTEXT
     base = Setup(model=args.model, seq_len=args.seq_len, target_len=args.target_len, dtype=args.dtype,
                  optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
-                 cuda_context_bytes=context)
+                 cuda_context_bytes=context, on_cuda=True)  # its machines are GPUs: their kernels, allocator
     advice = advise(base, args.gpus, memory, nodes=args.nodes, interconnect=args.interconnect,
                     machine=args.machine, global_batch=args.global_batch, overlap=not args.no_overlap,
                     gpu=args.gpu)
