@@ -127,6 +127,19 @@ def test_first_code_cell_says_how_to_install_the_package_when_the_kernel_lacks_i
     assert "subprocess" not in first and not re.search(r"^\s*%pip", first, re.M)
 
 
+@pytest.mark.parametrize("chapter", chapters(), ids=lambda p: p.stem)
+def test_every_glued_name_the_prose_uses_is_glued_by_the_chapter(chapter):
+    """A `{glue:text}` name with no `glue("name", ...)` in the chapter fails `make book` (-W) after minutes of
+    execution; this finds most such slips in a second (an f-string's placeholders match any text, so a name an
+    f-string could make passes here; `make book` remains the whole check)."""
+    text = chapter.read_text()
+    names = [re.compile("^" + re.sub(r"\\\{[^}]*\\\}", ".+", re.escape(name)) + "$") if f else re.compile(
+        "^" + re.escape(name) + "$") for f, _, name in re.findall(r"glue\(\s*(f?)([\"'])(.+?)\2", text)]
+    used = set(re.findall(r"\{glue(?::[a-z]+)?\}`([^`:]+)", text))
+    assert not [u for u in used if not any(n.match(u) for n in names)], sorted(
+        u for u in used if not any(n.match(u) for n in names))
+
+
 @pytest.mark.parametrize("chapter", [c for c in chapters() if c.stem != "intro"], ids=lambda p: p.stem)
 def test_the_setup_cell_is_folded_in_the_html(chapter):
     """The cell after the install check sets the chapter up (imports, shared values): the page folds it
