@@ -14,7 +14,7 @@ machine that made the records, measured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from multigpu.comm import sent_bytes
 from multigpu.errors import ConfigError
@@ -90,15 +90,15 @@ A100_SXM = GPU("A100 SXM4 80GB", GPUS["a100-80gb"], 312e12, 19.5e12,
 A100_PCIE = GPU("A100 PCIe 80GB", GPUS["a100-80gb"], 312e12, 19.5e12,
                 "NVIDIA A100 Tensor Core GPU datasheet (PCIe): BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, 80 GB")
 
+V100_SXM2 = GPU("V100 SXM2 32GB", GPUS["v100-32gb"], 125e12, 15.7e12,
+                "NVIDIA V100 Tensor Core GPU datasheet (SXM2): Tensor Performance 125 TFLOPS, FP32 15.7 TFLOPS. "
+                "Volta's tensor cores compute fp16, not bf16: the 16-bit rate is fp16-mixed's")
+
 # every GPU `--gpu` names (question.GPUS), with its own datasheet's dense peaks: a named GPU computes as
 # itself, not as an H100. Datasheets give 16-bit tensor-core rates with sparsity; these are the dense halves.
 GPU_SHEETS = {
-    "v100-16gb": GPU("V100 SXM2 16GB", GPUS["v100-16gb"], 125e12, 15.7e12,
-                     "NVIDIA V100 Tensor Core GPU datasheet (SXM2): Tensor Performance 125 TFLOPS, FP32 15.7 "
-                     "TFLOPS. Volta's tensor cores compute fp16, not bf16: the 16-bit rate is fp16-mixed's"),
-    "v100-32gb": GPU("V100 SXM2 32GB", GPUS["v100-32gb"], 125e12, 15.7e12,
-                     "NVIDIA V100 Tensor Core GPU datasheet (SXM2): Tensor Performance 125 TFLOPS, FP32 15.7 "
-                     "TFLOPS. Volta's tensor cores compute fp16, not bf16: the 16-bit rate is fp16-mixed's"),
+    "v100-16gb": replace(V100_SXM2, name="V100 SXM2 16GB", memory_bytes=GPUS["v100-16gb"]),
+    "v100-32gb": V100_SXM2,
     "a10-24gb": GPU("A10 24GB", GPUS["a10-24gb"], 125e12, 31.2e12,
                     "NVIDIA A10 Tensor Core GPU datasheet: BF16 Tensor Core 125 TFLOPS (250 with sparsity), FP32 "
                     "31.2 TFLOPS"),
@@ -130,6 +130,7 @@ def sheet_of_device(device_name: str) -> GPU | None:
         if word in device_name:
             return GPU_SHEETS[key]
     return None
+
 
 NVLINK4 = Link("NVLink 4 through NVSwitch", 450e9, 10e-6,
                "NVIDIA H100 datasheet: 900 GB/s of NVLink per GPU, both directions together")
@@ -167,13 +168,14 @@ def generic_machine(gpus: int, nodes: int, memory_bytes: int, fast: bool, gpu: s
         raise ConfigError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
     if gpu is not None and gpu not in GPU_SHEETS:
         raise ConfigError(f"unknown GPU {gpu!r}; choose one of: {', '.join(GPU_SHEETS)}")
-    sheet = GPU_SHEETS[gpu] if gpu else None
-    chip = GPU(f"{sheet.name} ({memory_bytes / 2**30:.0f} GiB)" if sheet else
-               f"a GPU of {memory_bytes / 2**30:.0f} GiB, computing as an H100 SXM (assumption)", memory_bytes,
-               (sheet or H100_SXM).bf16_flops, (sheet or H100_SXM).fp32_flops, (sheet or H100_SXM).source)
+    chip = replace(GPU_SHEETS[gpu], name=f"{GPU_SHEETS[gpu].name} ({memory_bytes / 2**30:.0f} GiB)",
+                   memory_bytes=memory_bytes) if gpu else \
+        replace(H100_SXM, name=f"a GPU of {memory_bytes / 2**30:.0f} GiB, computing as an H100 SXM (assumption)",
+                memory_bytes=memory_bytes)
     return Machine(f"{gpus} GPUs in {nodes} node(s), NVLink 4 inside, {'fast' if fast else 'slow'} links between "
                    "(assumed)", chip, gpus // nodes, nodes, NVLINK4, IB_NDR_X8 if fast else ETH_100G,
                    fast_between_nodes=fast)
+
 
 def describe(machine: Machine) -> list[str]:
     """The machine's numbers, each with its source (or 'assumption')."""

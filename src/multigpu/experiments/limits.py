@@ -96,6 +96,7 @@ def datasheet(device_name: str) -> dict | None:
     return {"name": gpu.name, "fp32": gpu.fp32_flops, "tf32": gpu.bf16_flops / 2, "bf16": gpu.bf16_flops,
             "fp16": gpu.bf16_flops, "source": gpu.source}
 
+
 def _limits_records(device: str, threads: int | None) -> list[dict]:
     gpu = device == "cuda"
     # not fp16 on a CPU: where it has no fast path (no AVX512-FP16), a product's speed follows its shape, not its
