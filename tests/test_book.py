@@ -149,6 +149,18 @@ def test_the_setup_cell_is_folded_in_the_html(chapter):
     assert re.search(r"^(import|from) ", second, re.M), f"{chapter.stem}: the second cell is not the setup"
 
 
+CODE_WIDTH = 79  # PEP 8's line; multigpu.css sets code at a size that shows it whole at 1280 px
+
+
+@pytest.mark.parametrize("chapter", chapters(), ids=lambda p: p.stem)
+def test_code_lines_fit_the_page_without_scrolling(chapter):
+    """Every line of every code cell is at most CODE_WIDTH characters, so that no code block of the
+    site scrolls sideways (tests/test_site.py checks the built pages themselves)."""
+    cells = re.findall(r"^```\{code-cell\}[^\n]*\n(.*?)^```$", chapter.read_text(), re.M | re.S)
+    long = [line for cell in cells for line in cell.splitlines() if len(line) > CODE_WIDTH]
+    assert cells and not long, f"{chapter.stem}: {len(long)} code lines over {CODE_WIDTH}: {long[:3]}"
+
+
 def test_the_glossary_names_what_exists_and_links_every_chapter():
     """Every package name in the glossary is real (a strategy, a flag of `run`, a Python name),
     every chapter is linked from it, and every term has its Korean."""
