@@ -388,3 +388,21 @@ def test_the_advisor_answers_for_a_gpu_as_estimate_gpu_does():
     ddp = next(p for p in advised["plans"] + advised["too_big"] if p["label"] == "ddp")
     assert ddp["per_gpu_bytes"] == estimated["per_rank_bytes"]["total"]
     assert ddp in advised["too_big"]  # 35.3 GiB: more than the V100's 32
+
+
+def test_on_gpu_weighs_a_setup_as_estimate_gpu_does():
+    """`on_gpu` (the chapters' opening figures use it through `per_gpu`) is the command line's
+    `--gpu`: the same bytes, to the byte, for a strategy that shards and one that does not."""
+    from multigpu.estimator import GPUS, Setup, on_gpu, per_gpu
+
+    for strategy in ("ddp", "fsdp"):
+        setup = Setup("gpt2", strategy, 4, seq_len=256, optimizer="adamw")
+        estimated = only_json_line(in_process(
+            "estimate", "--model", "gpt2", "--strategy", strategy, "--world-size", "4", "--seq-len", "256",
+            "--batch-size", "8", "--optimizer", "adamw", "--gpu", "a100-40gb", "--json").stdout)
+        assert per_gpu({strategy: (setup, 8)}, "a100-40gb")[strategy] == estimated["per_rank_bytes"]
+    hopper, volta = (on_gpu(Setup("gpt2"), gpu).cuda_workspace_bytes for gpu in ("h100-80gb", "v100-32gb"))
+    assert hopper > volta
+    with pytest.raises(ConfigError, match="unknown GPU 'k80'"):
+        on_gpu(Setup("gpt2"), "k80")
+    assert "h100-80gb" in GPUS

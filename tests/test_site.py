@@ -207,6 +207,25 @@ def test_the_figures_of_every_chapter_come_with_their_values(browser):
     assert not missing, f"chapters with figures and no table of their values: {missing}"
 
 
+WIDE_JS = """() => [...document.querySelectorAll('div.cell_input pre, div.cell_output pre')]
+  .filter(pre => pre.scrollWidth > pre.clientWidth + 1)
+  .map(pre => pre.textContent.split('\\n').reduce((a, b) => (b.length > a.length ? b : a)).slice(0, 70))"""
+
+
+def test_no_code_block_scrolls_sideways(browser):
+    """At the screenshots' 1280 px, every code cell and every printed output shows its longest line
+    whole: the chapters keep code lines to 79 characters (tests/test_book.py), multigpu.css sets
+    code at a size that fits them, and what the cells print is wrapped to fit too."""
+    wide = {}
+    for path in pages():
+        errors, network = [], []
+        page = open_page(browser, path.as_uri(), network, errors)
+        if found := page.evaluate(WIDE_JS):
+            wide[path.stem] = found
+        page.close()
+    assert not wide, f"code blocks that scroll sideways (their longest line): {wide}"
+
+
 def test_every_chapter_offers_its_notebook_and_a_launch_button(visits):
     """The executed notebook to download (.ipynb, outputs included) and a Binder launch that
     opens the chapter, built from the repository setting in _config.yml."""

@@ -25,12 +25,12 @@ from importlib import import_module
 # name -> the submodule that defines it
 _NAMES = {
     **dict.fromkeys(("Setup", "GPUS", "DEFAULT_CUDA_CONTEXT", "ESTIMATOR_DTYPES", "PIPELINES",
-                     "cublas_workspace_bytes", "allocator_rounding_bytes"), "question"),
+                     "cublas_workspace_bytes", "allocator_rounding_bytes", "on_gpu"), "question"),
     **dict.fromkeys(("ModelShape", "ActivationCost", "GPTParts", "model_shape", "activation_cost", "gpt_parts"),
                     "model_trace"),
     **dict.fromkeys(("RankShare", "rank_shares"), "share"),
     **dict.fromkeys(("Estimate", "estimate", "model_states", "optimizer_step_temporary", "saved_activations",
-                     "predict_largest_batch"), "peak"),
+                     "predict_largest_batch", "per_gpu"), "peak"),
 }
 
 __all__ = sorted(_NAMES)

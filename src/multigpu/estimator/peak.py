@@ -28,6 +28,7 @@ from multigpu.estimator.question import (
     allocator_rounding_bytes,
     check_setup,
     data_parallel_kind,
+    on_gpu,
 )
 from multigpu.estimator.share import RankShare, _traced, bf16_weights, rank_shares, sharded_elements
 from multigpu.memory import CATEGORIES, zero_model_states
@@ -277,6 +278,12 @@ def saved_activations(result: Estimate) -> int:
         return 0
     share = rank_shares(result.setup)[result.pipeline_rank or 0]
     return 0 if share.activations is None else round(share.in_flight * share.activations.saved(result.per_rank_batch))
+
+
+def per_gpu(cases: dict[str, tuple[Setup, int]], gpu: str) -> dict[str, dict[str, int]]:
+    """label -> what the peak rank of each case (a setup and its global batch) holds, per category
+    and in total, weighed as the GPU `gpu` runs it (`on_gpu`): the bars of plots.estimate_bars."""
+    return {label: estimate(on_gpu(setup, gpu), batch).per_rank_bytes for label, (setup, batch) in cases.items()}
 
 
 def predict_largest_batch(setup: Setup, memory_bytes: int, calibration=None) -> Estimate | None:

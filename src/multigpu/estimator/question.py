@@ -11,7 +11,7 @@ and `multigpu.estimator.peak` what a step holds at its peak.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from multigpu.config import OPTIMIZERS
 from multigpu.errors import ConfigError
@@ -247,3 +247,12 @@ def _zero_stage(setup: Setup) -> int:
     pipeline's data-parallel ranks)."""
     return 3 if data_parallel_kind(setup) == "pp-fsdp" else ZERO_STAGE.get(data_parallel_kind(setup), 0)
 
+
+def on_gpu(setup: Setup, gpu: str) -> Setup:
+    """`setup` as it runs on the GPU `gpu` (a GPUS name), as `estimate --gpu` weighs it: the GPU's
+    kernels and allocator (on_cuda), its cuBLAS workspaces, and the CUDA context the command line
+    assumes (DEFAULT_CUDA_CONTEXT)."""
+    if gpu not in GPUS:
+        raise ConfigError(f"unknown GPU {gpu!r}: one of {', '.join(GPUS)}")
+    return replace(setup, on_cuda=True, cuda_context_bytes=DEFAULT_CUDA_CONTEXT,
+                   cuda_workspace_bytes=cublas_workspace_bytes(gpu))
