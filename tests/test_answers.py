@@ -70,7 +70,7 @@ ALTERNATIVES = {
     ],
     "fsdp": [
         'model_name, ranks, width = "gpt-small", 2, 2',
-        'model_name, gpu, gpus, seq_len, target_len, optimizer = ("t5-3b", "v100-16gb", 2, 512, 512, "adamw")',
+        'model_name, gpu, gpus = "t5-3b", "v100-16gb", 2',  # nothing fits
         'model_name, ranks, seq_len, per_rank, width = "gpt-tiny", 4, 64, 1, 2',
     ],
     "moe": [
@@ -90,7 +90,7 @@ ALTERNATIVES = {
         "p, m, v, target = 8, 64, 4, 0.01",
         "m_far = 2",
         'model_name, stages, batch, micro, seq_len = "gpt-tiny", 4, 8, 2, 64',
-        'model_name, machine, stages, batch, seq_len, splits = ("gpt-small", "8xh100-nvlink", 2, 8, 128, (1, 8))',
+        'model_name, machine, stages = "gpt-small", "8xh100-nvlink", 2',
     ],
     "time": [
         "accum = 1",
@@ -101,7 +101,7 @@ ALTERNATIVES = {
         'grid, gpus_per_node, rank = {"pp": 1, "dp": 4, "tp": 2}, 4, 7',
         'model_name, ranks, replicas, width, batch = "gpt-small", 8, 4, 2, 16',
         'pp_, dp_, tp_, optimizer = 1, 8, 1, "sgd"',
-        'model_name, machine, samples_per_gpu, seq_len = ("gpt-small", MACHINES["2x8xh100-100g"], 1, 128)',
+        'model_name, machine = "gpt-small", MACHINES["2x8xh100-100g"]',
     ],
     "tp": [
         'model_name, ranks, seq_len, batch = "gpt-tiny", 4, 64, 2',
