@@ -10,6 +10,7 @@ test_parity.py, with every other strategy's.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -184,3 +185,25 @@ def test_pytorchs_context_parallel_is_refused_off_cuda_with_the_reason():
         assert "replaces only CUDA attention kernels" in message and "--strategy cp-scratch" in message, message
         assert "this machine has 0" in message
     assert "not 'ulysses'" in refused(strategy="cp", world_size=2, extra={"cp_attention": "ulysses"})
+
+
+def test_the_estimator_counts_what_each_way_of_attention_keeps():
+    """The estimator's allgather and Ulysses (share.cp_attention_extra) against every committed
+    cp_variants run of them: forward's saved activations within a page of the tracker's, per rank;
+    and what it refuses: a Ulysses cp that does not divide the heads, a way it does not know."""
+    from multigpu import records
+    from multigpu.estimator import Setup, estimate, saved_activations
+    from multigpu.estimator.accuracy import setup_of
+
+    runs = [r for r in records.load("cp_variants") if r["config"]["extra"]["cp_attention"] != "ring"]
+    assert {r["config"]["extra"]["cp_attention"] for r in runs} == {"allgather", "ulysses"}
+    for r in runs:
+        setup = setup_of(r, against="tracker")
+        found = saved_activations(estimate(setup, r["config"]["global_batch_size"]))
+        assert abs(found - r["saved_activation_bytes_by_rank"][0]) <= 4096 * 32, (setup.cp_attention, setup.cp)
+        ring = saved_activations(estimate(replace(setup, cp_attention="ring"), r["config"]["global_batch_size"]))
+        assert found > ring
+    with pytest.raises(ConfigError, match="whole heads"):
+        estimate(Setup("gpt-long", "cp-scratch", 16, seq_len=8192, cp_attention="ulysses"))
+    with pytest.raises(ConfigError, match="one of ring, allgather, ulysses"):
+        estimate(Setup("gpt-long", "cp-scratch", 2, seq_len=8192, cp_attention="flash"))

@@ -62,8 +62,6 @@ def setup_of(record: dict, against: str = "allocator") -> Setup | None:
     grid = record.get("grid") or RunConfig.from_dict(c).grid.as_dict()
     if grid["tp"] > 1 and c["strategy"] == "ddp-scratch":
         return None
-    if grid.get("cp", 1) > 1 and (extra.get("cp_attention", "ring") != "ring" or extra.get("cp_balance")):
-        return None  # the estimator models the default context parallelism: ring attention, zig-zag
     if strategy in PIPELINES:  # fewer micro-batches than the library's schedule takes
         from multigpu.strategies.pp import microbatch_problem
 
@@ -85,6 +83,7 @@ def setup_of(record: dict, against: str = "allocator") -> Setup | None:
                  bucket_cap_mb=c["bucket_cap_mb"], backend=prov["backend"], on_cuda=on_cuda,
                  cuda_workspace_bytes=workspaces,
                  tp=grid["tp"], pp=grid["pp"], cp=grid.get("cp", 1), ep=grid.get("ep", 1),
+                 cp_attention=extra.get("cp_attention", "ring"),  # the layout (cp_balance) keeps the same bytes
                  sequence_parallel=bool(extra.get("sequence_parallel")),
                  attention=extra.get("attention", "sdpa"))  # a T5 run may compute attention eagerly
 

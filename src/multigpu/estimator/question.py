@@ -114,7 +114,8 @@ class Setup:
     tp: int = 1  # tensor-parallel degree: with fsdp (2D), with a pipeline, or the strategy tp (default: all ranks)
     pp: int = 1  # pipeline ranks, with a pp-* strategy (default: what tp leaves); its micro-batches: grad_accum_steps
     sequence_parallel: bool = False  # tensor parallel: the residual stream and LayerNorms cut along the sequence
-    cp: int = 1  # context-parallel degree: cp-scratch (default: all ranks), or fsdp with cp; ring attention, zig-zag
+    cp: int = 1  # context-parallel degree: cp-scratch (default: all ranks), or fsdp with cp; zig-zag layout
+    cp_attention: str = "ring"  # with cp > 1: "ring", "allgather" or "ulysses" (multigpu.strategies.cp_layout)
     ep: int | None = None  # expert-parallel degree inside dp (ep-scratch; None: every dp rank its own experts)
 
     @property
@@ -198,6 +199,17 @@ def _check_cut(setup: Setup, grid: Grid) -> None:
         why = sequence_problem(setup.seq_len, grid.cp, "zigzag")
         if why:
             raise ConfigError(why)
+        from multigpu.strategies.cp_layout import VARIANTS
+
+        if setup.cp_attention not in VARIANTS:
+            raise ConfigError(f"cp_attention {setup.cp_attention!r}: one of {', '.join(VARIANTS)}")
+        heads = gpt_parts(setup.model).heads
+        if setup.cp_attention == "ulysses" and heads % grid.cp:
+            raise ConfigError(f"Ulysses gives each of the cp={grid.cp} ranks whole heads, and {setup.model} has "
+                              f"{heads}: use a cp that divides {heads}, or cp_attention ring or allgather")
+        if setup.cp_attention != "ring" and setup.activation_checkpointing:
+            raise ConfigError(f"the estimator models cp_attention {setup.cp_attention!r} without recomputation "
+                              "only; ring attention with it")
         if grid.tp > 1 or grid.pp > 1:
             raise ConfigError("context parallelism composes with data parallelism and FSDP here, not with tensor or "
                               "pipeline parallelism")

@@ -12,7 +12,7 @@ alive at once. `multigpu.estimator.peak` puts a step's peak together from these 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from multigpu.estimator.model_trace import ActivationCost, GPTParts, activation_cost, gpt_parts, model_shape
@@ -51,12 +51,33 @@ def _traced(setup: Setup, checkpointing: bool) -> ActivationCost:
     # a context-parallel rank's activations are those of its part of the sequence: every layer works
     # token by token, and ring attention keeps what fused attention keeps (its queries, keys,
     # values, output and log-sum-exp), for the rank's own tokens
-    return activation_cost(setup.model, setup.rank_seq_len, setup.target_len,
-                           weights="bf16" if bf16_weights(setup) else "fp32",
-                           autocast={"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(setup.dtype, False),
+    autocast = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(setup.dtype, False)
+    cost = activation_cost(setup.model, setup.rank_seq_len, setup.target_len,
+                           weights="bf16" if bf16_weights(setup) else "fp32", autocast=autocast,
                            checkpointing=checkpointing,
                            dropout=setup.dropout, attention=setup.attention,
                            device="cuda" if setup.on_cuda else "cpu")
+    if setup.grid.cp == 1 or setup.cp_attention == "ring":
+        return cost
+    fixed, per_sample = cp_attention_extra(setup, 2 if autocast else 4)
+    layers = gpt_parts(setup.model).layers
+    return replace(cost, fixed=cost.fixed + layers * fixed, per_sample=cost.per_sample + layers * per_sample,
+                   last_block=(cost.last_block[0] + fixed, cost.last_block[1] + per_sample))
+
+
+def cp_attention_extra(setup: Setup, width: int) -> tuple[int, int]:
+    """(fixed, per sample) bytes one layer's attention keeps beyond ring attention's, per rank, for
+    the other two ways of context parallelism (multigpu.strategies.cp_attention), measured on
+    gpt-long (records cp_variants: 2 layers, 8,192 tokens, cp 2 and 4) to the byte:
+    - allgather: every rank's keys and values, gathered (2 x sequence x width values a sample), and
+      the causal mask of its queries against every key, which attention keeps as a float tensor of
+      the activations' type (its tokens x the sequence, the same for every sample and head);
+    - ulysses: the output once more (the attention's, head-sharded, beside the token-sharded copy
+      the next product keeps) and the two int64 orders that sort the gathered tokens."""
+    parts, seq, mine = gpt_parts(setup.model), setup.seq_len, setup.rank_seq_len
+    if setup.cp_attention == "allgather":
+        return mine * seq * width, 2 * seq * parts.d_model * width
+    return 2 * seq * 8, mine * parts.d_model * width
 
 
 @lru_cache(maxsize=256)
