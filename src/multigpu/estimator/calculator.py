@@ -52,13 +52,13 @@ SEQ_LEN = 256
 # prints 5140) beside the presets, as config files. The heads are the book's choice, not the table's:
 # gpt-1.3b has 32 here, the table's XL 24 (the choosing chapter's map uses the same shapes and says so)
 GPT3_SHAPES = {"gpt-1.3b": (2048, 24, 32), "gpt-6.7b": (4096, 32, 32), "gpt-13b": (5120, 40, 40)}
-PRESET_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "t5-large", "t5-3b")
+PRESET_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "t5-large", "t5-3b", "gpt-moe-small")
 # every strategy the estimator models as itself (the strategy table's ESTIMATED) but
 # pp-interleaved, which the page has left out since it was made: its choices of schedule are
 # GPipe and 1F1B, and each strategy adds a tenth to the grid and to its minute of building; and
-# cp-scratch, whose question is the sequence's length, which the page does not ask yet; and ep-scratch, which
-# trains mixtures of experts, none of the page's models
-STRATEGIES = tuple(s for s in ESTIMATED if s not in ("pp-interleaved", "cp-scratch", "ep-scratch"))
+# cp-scratch, whose question is the sequence's length, which the page does not ask (its sequence is
+# SEQ_LEN's). ep-scratch is the mixture of experts' (gpt-moe-small's), its experts over every rank
+STRATEGIES = tuple(s for s in ESTIMATED if s not in ("pp-interleaved", "cp-scratch"))
 GPU_COUNTS = (1, 2, 4, 8, 16)
 TP_DEGREES = (1, 2, 4, 8)  # with fsdp (2D) and the pipelines; strategy tp takes every GPU
 DTYPES = ("fp32", "bf16-mixed", "bf16-master")
