@@ -217,3 +217,15 @@ def test_dropped_share_under_uniform_routing_is_the_binomial_tail():
         dropped = 1 - layer._within_capacity(chosen).float().mean().item()
         assert dropped == pytest.approx(dropped_share_uniform(factor, tokens, k, experts), abs=0.003)
     assert dropped_share_uniform(4.0, tokens, k, experts) == 0.0
+
+
+def test_the_estimator_refuses_a_mixture_of_experts_under_tp_pp_or_cp_with_the_reason():
+    """As RunConfig refuses them (ep_scratch.expert_problems): the calculator's grid asks every
+    strategy and tp of every model, gpt-moe-small's included, and takes a ConfigError as the answer."""
+    from multigpu.estimator import Setup, estimate
+
+    for options in ({"strategy": "fsdp", "tp": 2}, {"strategy": "fsdp", "cp": 2}):
+        with pytest.raises(ConfigError, match="not yet with tensor, pipeline or context parallelism"):
+            estimate(Setup("gpt-moe-small", world_size=4, **options))
+    with pytest.raises(ConfigError, match="not pp-1f1b"):
+        estimate(Setup("gpt-moe-small", "pp-1f1b", 4, grad_accum_steps=4))

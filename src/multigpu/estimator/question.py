@@ -190,6 +190,9 @@ def _check_cut(setup: Setup, grid: Grid) -> None:
                           f"parallel of it), not {s}: its balancing loss counts the whole batch's tokens")
     if experts % grid.ep:
         raise ConfigError(f"ep {grid.ep} does not divide the {experts} experts of each layer")
+    if experts and (grid.tp > 1 or grid.pp > 1 or grid.cp > 1):  # as RunConfig refuses it (expert_problems)
+        raise ConfigError(f"{s} of a mixture of experts composes with ep here, not yet with tensor, pipeline or "
+                          "context parallelism")
     if grid.cp > 1:
         from multigpu.strategies.cp_attention import sequence_problem
 
