@@ -226,6 +226,26 @@ def test_no_code_block_scrolls_sideways(browser):
     assert not wide, f"code blocks that scroll sideways (their longest line): {wide}"
 
 
+FIRST_FIGURE_JS = """() => { const img = document.querySelector('article div.cell_output img');
+  return img ? img.getBoundingClientRect().top + window.scrollY : null; }"""
+
+
+def test_every_chapter_shows_a_figure_on_its_first_screen(browser):
+    """A chapter opens on its text and a figure, not a wall of code: at 1280 x 900, each chapter's
+    first figure starts within the first screen (the glossary, a table, has none)."""
+    late = {}
+    for path in pages():
+        if path.stem == "glossary":
+            continue
+        errors, network = [], []
+        page = open_page(browser, path.as_uri(), network, errors)
+        top = page.evaluate(FIRST_FIGURE_JS)
+        page.close()
+        if top is None or top >= 900:
+            late[path.stem] = top
+    assert not late, f"chapters whose first figure starts below the first screen (px from the top): {late}"
+
+
 def test_every_chapter_offers_its_notebook_and_a_launch_button(visits):
     """The executed notebook to download (.ipynb, outputs included) and a Binder launch that
     opens the chapter, built from the repository setting in _config.yml."""
