@@ -218,7 +218,7 @@ def in_book_dir(monkeypatch):
         monkeypatch.setenv("MULTIGPU_TRACE_CACHE", str(ROOT / "_build" / "traces"))
 
 
-@pytest.mark.parametrize(("chapter", "assignment"), sweep_cases())
+@pytest.mark.parametrize(("chapter", "assignment"), list(sweep_cases()))
 def test_an_answer_reads_correctly_for_other_inputs(chapter, assignment):
     sources = cells(chapter)
     target = ast.dump(ast.parse(assignment).body[0].targets[0])
