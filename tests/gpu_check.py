@@ -41,6 +41,7 @@ import torch
 from multigpu.check import BF16_TOLERANCE, check
 from multigpu.config import RunConfig
 from multigpu.launch import launch
+from multigpu.profiling import CATEGORIES
 from multigpu.runtime import DEVICE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,6 +232,8 @@ def test_a_profiled_step_on_the_device(tmp_path):
         row["detail"] = (f"matmul {seconds['matmul'] * 1e3:.2f} ms of a {seconds['step'] * 1e3:.1f} ms step, "
                          f"{len(timeline['compute'])} compute spans, MFU {use['mfu']:.2%}")
         assert seconds["matmul"] > 0 and timeline["compute"] and timeline["communication"] == []
+        counted = sum(seconds[k] for k in CATEGORIES if k != "outside operators")
+        assert counted <= seconds["step"] * 1.05, f"categories {counted:.4f} s of a {seconds['step']:.4f} s step"
         assert 0 < use["mfu"] < 1 and (tmp_path / "rank0.json.gz").exists()
 
 

@@ -11,7 +11,7 @@ import pytest
 from multigpu.config import RunConfig
 from multigpu.errors import ConfigError
 from multigpu.launch import launch
-from multigpu.profiling import CATEGORIES, category, merged, overlap, without
+from multigpu.profiling import CATEGORIES, breakdown, category, merged, overlap, timeline, without
 
 
 def test_operators_fall_into_the_categories():
@@ -20,6 +20,47 @@ def test_operators_fall_into_the_categories():
     assert category("c10d::allreduce_", None) == category("_c10d_functional::wait_tensor", None) == "communication"
     assert category("aten::copy_", "communication") == "communication"  # FSDP's copies into its gathers
     assert category("aten::mul_", "optimizer") == "optimizer" and category("aten::gelu", None) == "other operators"
+
+
+class _Event:
+    """What the profiler's FunctionEvent answers, for one operator, kernel or labelled range (times in µs)."""
+
+    def __init__(self, name, on, start, end, own, parent=None, annotation=False):
+        from types import SimpleNamespace
+
+        from torch.autograd import DeviceType
+
+        self.name, self.cpu_parent, self.is_user_annotation = name, parent, annotation
+        self.device_type = DeviceType.CUDA if on == "cuda" else DeviceType.CPU
+        self.time_range = SimpleNamespace(start=start, end=end)
+        self.self_device_time_total = own if on == "cuda" else 0
+        self.self_cpu_time_total = own if on == "cpu" else 0
+
+
+def test_a_gpu_profile_counts_each_kernel_once():
+    """On a GPU the profiler lists an operator (with its kernels' device time), the kernel itself, and a labelled
+    range's copy on the device: the step's kernels take 300 µs, and the categories must add up to that, not twice
+    it (the H200's first profiles counted every kernel again under "other operators")."""
+    class Prof:
+        def __init__(self, events):
+            self._events = events
+
+        def events(self):
+            return self._events
+
+    step = _Event("Optimizer.step#AdamW.step", "cpu", 250, 400, 0, annotation=True)
+    mm = _Event("aten::mm", "cpu", 0, 50, 0)
+    mm.self_device_time_total = 200
+    adam = _Event("aten::_foreach_mul_", "cpu", 260, 270, 0, parent=step)
+    adam.self_device_time_total = 100
+    events = [mm, _Event("sm90_xmma_gemm", "cuda", 10, 210, 200), step, adam,
+              _Event("multi_tensor_apply_kernel", "cuda", 300, 400, 100),
+              _Event("Optimizer.step#AdamW.step", "cuda", 300, 400, 100, annotation=True)]
+    seconds = breakdown(Prof(events), "cuda", wall_s=500e-6)
+    assert seconds["matmul"] == pytest.approx(200e-6) and seconds["optimizer"] == pytest.approx(100e-6)
+    assert seconds["other operators"] == 0 and seconds["outside operators"] == pytest.approx(200e-6)
+    spans = timeline(Prof(events), "cuda", wall_s=500e-6)["compute"]  # the kernels, not the labelled range
+    assert [t for span in spans for t in span] == pytest.approx([0.0, 200e-6, 290e-6, 390e-6])
 
 
 @pytest.mark.slow

@@ -9,8 +9,10 @@ products, attention's fused kernels, the collectives (with what waits for them, 
 into and out of its gathers and reductions), the optimizer's step (every operator under it), every
 other operator, and the time outside any operator (Python, the framework, waiting: a pipeline's
 bubble is there).
-On a GPU the operators' time is their kernels' on the device; on a CPU the threads' time, which
-for an autograd thread beside the main one can add up to more than the wall clock.
+On a GPU the operators' time is their kernels' on the device (each kernel counted once, under the
+operator that launched it: the profiler lists the kernels themselves too, and the labelled ranges'
+copies on the device); on a CPU the threads' time, which for an autograd thread beside the main
+one can add up to more than the wall clock.
 """
 
 from __future__ import annotations
@@ -58,9 +60,13 @@ def _under(event) -> str | None:
 def breakdown(prof, device_type: str, wall_s: float, top: int = 8) -> dict:
     """Seconds of the profiled step by category (CATEGORIES), the step's wall time ("step"), and the `top`
     operators of each category by their own seconds ("largest": {category: {operator: seconds}})."""
+    from torch.autograd import DeviceType
+
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     by_operator: dict = {}
     for event in prof.events():
+        if device_type == "cuda" and (event.device_type != DeviceType.CPU or event.is_user_annotation):
+            continue  # a kernel (or a labelled range's copy on the device): its operator counts its time already
         own = event.self_device_time_total if device_type == "cuda" else event.self_cpu_time_total
         if own > 0:
             kind = category(event.name, _under(event))
@@ -152,7 +158,7 @@ def timeline(prof, device_type: str, wall_s: float) -> dict:
     for e in prof.events():
         span = (e.time_range.start / 1e6, e.time_range.end / 1e6)
         on_device = e.device_type == DeviceType.CUDA
-        if device_type == "cuda" and on_device:
+        if device_type == "cuda" and on_device and not e.is_user_annotation:  # kernels, not labelled ranges
             if _is_collective(e.name):
                 comm.append(span)
             elif not e.name.startswith(("Memcpy", "Memset")):
