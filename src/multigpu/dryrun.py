@@ -51,6 +51,7 @@ CANNOT = {
     "deepspeed-zero1": "DeepSpeed's engine allocates its flat buffers on its accelerator, outside PyTorch's modes",
     "deepspeed-zero2": "DeepSpeed's engine allocates its flat buffers on its accelerator, outside PyTorch's modes",
     "deepspeed-zero3": "DeepSpeed's engine allocates its flat buffers on its accelerator, outside PyTorch's modes",
+    "deepspeed-moe": "DeepSpeed's engine allocates its flat buffers on its accelerator, outside PyTorch's modes",
     "cp": "PyTorch's context parallelism dispatches CUDA attention kernels only",
     "ep-scratch": "how many tokens go to each rank's experts is read from the router's counts, which a fake tensor "
                   "does not hold and a fake group does not send",

@@ -132,6 +132,11 @@ STRATEGY_TABLE: dict[str, Strategy] = {
                            combines=("ep",), estimated_as="ep-scratch", overlap="backward", spans_experts=True,
                            fp16_refusal="its step finishes two sets of gradient all-reduces (dense and experts) and "
                                         "updates in one call, leaving no point at which GradScaler could unscale"),
+    "deepspeed-moe": Strategy("deepspeed_moe", "expert parallel with a library: DeepSpeed-MoE's layer (its gate, "
+                                             "all-to-all and experts) in every MoE layer, trained by DeepSpeed's "
+                                             "engine at ZeRO stage 0 (--ep ranks share one copy of the experts)",
+                              "experts: each rank holds ep-th of every MoE layer's experts, and their states",
+                              combines=("ep",), spans_experts=True, fp16_refusal=_DEEPSPEED_FP16),
 }
 
 # name -> one-line description (what the CLI and the book list)
