@@ -147,6 +147,24 @@ def test_bad_input_is_refused_before_any_process_starts():
     assert "does not combine with tp" in refused(strategy="ep-scratch", world_size=4, tp=2, **m)
 
 
+def test_a_hugging_face_mixtral_takes_its_experts_over_ranks_with_deepspeed_moe(tmp_path):
+    """A Mixtral config.json trains under the data-parallel strategies with every expert on every rank;
+    over ep ranks with deepspeed-moe only, and routes as its config says."""
+    from multigpu.hf import TINY_MIXTRAL, write_tiny_llama_config
+
+    m = dict(model=str(write_tiny_llama_config(tmp_path / "config.json", TINY_MIXTRAL)), seq_len=32)
+    for strategy, world_size, degrees in (("deepspeed-moe", 4, {"ep": 2}), ("fsdp", 2, {}), ("ddp", 2, {})):
+        RunConfig(strategy=strategy, world_size=world_size, **degrees, **m).validate()
+    assert "its experts go over ranks with --strategy deepspeed-moe" in refused(strategy="ep-scratch",
+                                                                               world_size=2, **m)
+    assert "fsdp --ep cuts this package's presets' experts" in refused(strategy="fsdp", world_size=2, ep=2, **m)
+    assert "routes as its config.json says" in refused(strategy="ddp", world_size=2, extra={"moe_top_k": 1}, **m)
+    assert "ep 3 does not divide the 4 experts" in refused(strategy="deepspeed-moe", world_size=3,
+                                                           global_batch_size=9, **m)
+    assert "'deepspeed-moe' does not combine with tp (tp=2); it takes --ep" in refused(
+        strategy="deepspeed-moe", world_size=4, tp=2, **m)
+
+
 @pytest.mark.parametrize("world_size, ep, expected", [(4, None, 4), (4, 2, 2), (4, 1, 1), (2, None, 2)])
 def test_ep_degrees(world_size, ep, expected):
     cfg, _ = with_strategy_defaults(RunConfig(strategy="ep-scratch", world_size=world_size, ep=ep))

@@ -337,6 +337,21 @@ def test_tensor_parallel_on_a_hugging_face_model(tmp_path):
     assert_parity(result, "tp", 2)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(SERIES_TIMEOUT)
+def test_a_hugging_face_mixtral_over_expert_parallel_ranks(tmp_path):
+    """A Hugging Face Mixtral from its config.json: its sparse blocks handed to DeepSpeed-MoE (the
+    router as the library's gate, expert e's rows as its ep rank's local expert), ep 2 inside dp 4,
+    against the unchanged model on one device."""
+    from multigpu.hf import TINY_MIXTRAL, write_tiny_llama_config
+
+    path = str(write_tiny_llama_config(tmp_path / "config.json", TINY_MIXTRAL))
+    result = check("deepspeed-moe", 4, steps=STEPS, tolerance=TOLERANCE, progress=False, model=path, ep=2,
+                   grad_accum_steps=2, seq_len=32)
+    assert_parity(result, "deepspeed-moe", 4)
+    assert result["grid"]["ep"] == 2
+
+
 PIPELINES = ["pp-naive", "pp-gpipe-scratch", "pp-1f1b-scratch", "pp-gpipe", "pp-1f1b", "pp-interleaved", "pp-zbv",
              "pp-dualpipev"]
 

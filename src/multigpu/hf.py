@@ -44,13 +44,20 @@ TINY_LLAMA = {
 }
 
 
-def write_tiny_llama_config(path: str | Path) -> Path:
-    """Write TINY_LLAMA as a config.json at `path` (a file, or a folder to put it in)."""
+# A small Mixtral: the tiny Llama with every MLP a sparse block of 4 experts, 2 per token (its
+# routing as moe.MoE's without a capacity; strategies/deepspeed_moe.py cuts its experts over ranks)
+TINY_MIXTRAL = {**TINY_LLAMA, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.0}
+
+
+def write_tiny_llama_config(path: str | Path, config: dict = TINY_LLAMA) -> Path:
+    """Write TINY_LLAMA (or `config`, e.g. TINY_MIXTRAL) as a config.json at `path` (a file, or a
+    folder to put it in)."""
     path = Path(path)
     if path.suffix != ".json":
         path = path / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(TINY_LLAMA, indent=2) + "\n")
+    path.write_text(json.dumps(config, indent=2) + "\n")
     return path
 
 

@@ -55,36 +55,70 @@ def config_problems(cfg) -> list[str]:
     return []  # expert_problems (every run) holds what a MoE and --ep need
 
 
-class LibraryMoE(moe.MoE):
-    """A MoE layer computed by DeepSpeed-MoE, holding the weights of `ours` (this rank's experts of
-    them: those of ep rank `ep_rank`). It is a moe.MoE to the rest of the package: it sets
-    `aux_loss`, appends each forward's tokens per expert and dropped to `load`, and its
-    `capacity_factor`, `top_k` and `aux_loss_coef` are the layer's."""
+class SwiGLUExpert(nn.Module):
+    """One expert of a Hugging Face Mixtral as a module of its own (DeepSpeed's layer copies one per
+    local expert): rows e of the experts' stacked `gate_up_proj` (2 d_ff, d) and `down_proj` (d, d_ff)."""
 
-    def __init__(self, ours: moe.MoE, ep: int, ep_rank: int, deepspeed):
+    def __init__(self, d_model: int, d_ff: int, act):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=False)
+        self.down = nn.Linear(d_ff, d_model, bias=False)
+        self.act = act
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+def _layer_kind(module: nn.Module) -> str | None:
+    """"package" (moe.MoE), "mixtral" (a Hugging Face Mixtral's sparse block) or None."""
+    if isinstance(module, moe.MoE):
+        return "package"
+    return "mixtral" if type(module).__name__ == "MixtralSparseMoeBlock" else None
+
+
+class LibraryMoE(moe.MoE):
+    """A MoE layer computed by DeepSpeed-MoE, holding the weights of `ours` (this package's moe.MoE or
+    a Hugging Face Mixtral's sparse block), this rank's experts of them: those of ep rank `ep_rank`.
+    It is a moe.MoE to the rest of the package: it sets `aux_loss`, appends each forward's tokens per
+    expert and dropped to `load`, and its `capacity_factor`, `top_k` and `aux_loss_coef` are the
+    layer's (a Mixtral: no capacity, and its balancing loss is not in this package's loss)."""
+
+    def __init__(self, ours: nn.Module, ep: int, ep_rank: int, deepspeed):
         nn.Module.__init__(self)
-        E, k = ours.experts_total, ours.top_k
+        self.kind = _layer_kind(ours)
+        if self.kind == "package":
+            E, k, router = ours.experts_total, ours.top_k, ours.router.weight
+            self.capacity_factor, self.aux_loss_coef = ours.capacity_factor, ours.aux_loss_coef
+            d_model, d_ff = ours.experts.fc_weight.shape[1:]
+            template = moe.MLP(d_model, d_ff)
+            x = ours.experts
+            rows = lambda e: {"fc.weight": x.fc_weight[e].T, "fc.bias": x.fc_bias[e],  # noqa: E731
+                              "proj.weight": x.proj_weight[e].T, "proj.bias": x.proj_bias[e]}
+            self.shared = ours.shared
+        else:
+            E, k, router = ours.gate.num_experts, ours.gate.top_k, ours.gate.weight
+            self.capacity_factor, self.aux_loss_coef = None, 0.0
+            d_ff, d_model = ours.experts.down_proj.shape[1:][::-1]
+            template = SwiGLUExpert(d_model, d_ff, ours.experts.act_fn)
+            x = ours.experts
+            rows = lambda e: {"gate_up.weight": x.gate_up_proj[e], "down.weight": x.down_proj[e]}  # noqa: E731
+            self.shared = nn.ModuleList()
         self.experts_total, self.top_k = E, k
-        self.capacity_factor, self.aux_loss_coef = ours.capacity_factor, ours.aux_loss_coef
-        d_model, d_ff = ours.experts.fc_weight.shape[1:]
-        factor = ours.capacity_factor or 1.0  # not read without a capacity (drop_tokens=False)
+        factor = self.capacity_factor or 1.0  # not read without a capacity (drop_tokens=False)
         self.library = deepspeed.moe.layer.MoE(
-            hidden_size=d_model, expert=moe.MLP(d_model, d_ff), num_experts=E, ep_size=ep, k=k,
+            hidden_size=d_model, expert=template, num_experts=E, ep_size=ep, k=k,
             capacity_factor=factor, eval_capacity_factor=factor, min_capacity=0,
-            drop_tokens=ours.capacity_factor is not None, use_rts=False, top2_2nd_expert_sampling=False)
+            drop_tokens=self.capacity_factor is not None, use_rts=False, top2_2nd_expert_sampling=False)
         held = E // ep
         with torch.no_grad():
-            self.library.deepspeed_moe.gate.wg.weight.copy_(ours.router.weight)
+            self.library.deepspeed_moe.gate.wg.weight.copy_(router)
             for j, expert in enumerate(self.library.deepspeed_moe.experts.deepspeed_experts):
-                e = ep_rank * held + j
-                expert.fc.weight.copy_(ours.experts.fc_weight[e].T)
-                expert.fc.bias.copy_(ours.experts.fc_bias[e])
-                expert.proj.weight.copy_(ours.experts.proj_weight[e].T)
-                expert.proj.bias.copy_(ours.experts.proj_bias[e])
-        self.shared = ours.shared
+                params = dict(expert.named_parameters())
+                for name, value in rows(ep_rank * held + j).items():
+                    params[name].copy_(value)
         self.reduce_counts = None
         self.aux_loss, self.load, self.aux = None, [], []
-        self.ep, self.ep_rank = ep, ep_rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
@@ -104,44 +138,56 @@ class LibraryMoE(moe.MoE):
             out = out + mlp(x).to(out.dtype)
         return out.to(x.dtype)
 
+    def whole_state(self, group) -> dict:
+        """This layer's router and experts under the names of the layer it replaced, every ep rank's
+        experts gathered in rank order (ep ranks are consecutive: `group`, None for ep 1)."""
+        experts = self.library.deepspeed_moe.experts.deepspeed_experts
+        router = self.library.deepspeed_moe.gate.wg.weight.detach()
+        if self.kind == "package":
+            mine = {"router.weight": None,
+                    "experts.fc_weight": [x.fc.weight.T for x in experts],
+                    "experts.fc_bias": [x.fc.bias for x in experts],
+                    "experts.proj_weight": [x.proj.weight.T for x in experts],
+                    "experts.proj_bias": [x.proj.bias for x in experts]}
+        else:
+            mine = {"gate.weight": None, "experts.gate_up_proj": [x.gate_up.weight for x in experts],
+                    "experts.down_proj": [x.down.weight for x in experts]}
+        out = {}
+        for name, rows in mine.items():
+            if rows is None:
+                out[name] = router
+                continue
+            rows = torch.stack(rows).detach().contiguous()
+            parts = [rows]
+            if group is not None:
+                parts = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, rows, group=group)
+            out[name] = torch.cat(parts)
+        return out
+
 
 def swap_layers(model: nn.Module, ep: int, ep_rank: int, deepspeed) -> list[LibraryMoE]:
-    """Every moe.MoE of `model` replaced, in place, by a LibraryMoE holding its weights."""
+    """Every MoE layer of `model` (moe.MoE, a Mixtral's sparse block) replaced, in place, by a
+    LibraryMoE holding its weights."""
     swapped = []
     for name, module in list(model.named_modules()):
-        if isinstance(module, moe.MoE):
+        if _layer_kind(module) is not None:
             parent_name, _, leaf = name.rpartition(".")
-            layer = LibraryMoE(module, ep, ep_rank, deepspeed).to(module.router.weight.device)
+            device = next(module.parameters()).device
+            layer = LibraryMoE(module, ep, ep_rank, deepspeed).to(device)
             setattr(model.get_submodule(parent_name) if parent_name else model, leaf, layer)
             swapped.append(layer)
     return swapped
 
 
 def gather_experts(model: nn.Module, group) -> dict:
-    """The model's state under the single-device names (moe.MoE's: `router.weight`,
-    `experts.fc_weight` stacked (E, d_model, d_ff), ...), every layer's experts gathered from the
-    ep ranks in rank order."""
-    state, out = model.state_dict(), {}
-    ep = dist.get_world_size(group) if group is not None else 1
-    for key, value in state.items():
-        if ".library." not in key:
-            out[key.replace("_checkpoint_wrapped_module.", "")] = value
+    """The model's state under the names of the model before the swap, every layer's experts gathered
+    from the ep ranks in rank order."""
+    out = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in model.state_dict().items()
+           if ".library." not in k}
     for name, layer in ((n, m) for n, m in model.named_modules() if isinstance(m, LibraryMoE)):
         prefix = name.replace("_checkpoint_wrapped_module.", "")
-        out[f"{prefix}.router.weight"] = layer.library.deepspeed_moe.gate.wg.weight.detach()
-        experts = layer.library.deepspeed_moe.experts.deepspeed_experts
-        mine = {"fc_weight": torch.stack([x.fc.weight.T for x in experts]),
-                "fc_bias": torch.stack([x.fc.bias for x in experts]),
-                "proj_weight": torch.stack([x.proj.weight.T for x in experts]),
-                "proj_bias": torch.stack([x.proj.bias for x in experts])}
-        for leaf, rows in mine.items():
-            rows = rows.detach().contiguous()
-            parts = [torch.empty_like(rows) for _ in range(ep)]
-            if ep > 1:
-                dist.all_gather(parts, rows, group=group)
-            else:
-                parts = [rows]
-            out[f"{prefix}.experts.{leaf}"] = torch.cat(parts)
+        out.update({f"{prefix}.{k}": v for k, v in layer.whole_state(group).items()})
     return out
 
 
@@ -153,6 +199,8 @@ def prepare(model, cfg, rt) -> Parallelized:
     # DeepSpeed's expert-parallel groups are runs of ep consecutive ranks (use_data_before_expert_parallel_
     # off): rank r holds the experts of ep rank r % ep, checked below once the engine has made the groups
     layers = swap_layers(model, ep, rt.rank % ep, deepspeed)
+    if not layers:
+        raise RuntimeError(f"deepspeed-moe: {cfg.model} has no MoE layer this package can hand to DeepSpeed-MoE")
     dp_group = rt.grid.group("dp")
     for layer in layers:
         layer.reduce_counts = _summed(dp_group)

@@ -49,6 +49,19 @@ def moe_config(model: str):
     return GPT_SIZES[model].moe if model in GPT_SIZES else None
 
 
+def hf_experts(model: str) -> int | None:
+    """The experts per layer of a Hugging Face Mixtral config.json (None: not one). Its sparse blocks
+    route as moe.MoE does without a capacity (softmax, top k, renormalised), and keep their
+    balancing loss out of the loss unless asked: it trains at parity under every data-parallel
+    strategy, all experts on every rank, and over ep ranks with DeepSpeed-MoE (deepspeed-moe)."""
+    from multigpu.models import PRESETS, read_config_file
+
+    if model in PRESETS or not model.endswith(".json"):
+        return None
+    config = read_config_file(model)
+    return config.get("num_local_experts") if config["model_type"] == "mixtral" else None
+
+
 def expert_problems(cfg) -> list[str]:
     """What keeps `cfg` from training its mixture of experts (every run: RunConfig.validate)."""
     from multigpu.strategy_table import STRATEGY_TABLE
@@ -57,6 +70,20 @@ def expert_problems(cfg) -> list[str]:
     asked = [f"--{name.replace('_', '-')}" for key, name in moe.OPTIONS.items() if key in extra]
     verb = "routes" if len(asked) == 1 else "route"
     takes = [name for name, s in STRATEGY_TABLE.items() if "ep" in s.combines]
+    if layer is None and (experts := hf_experts(cfg.model)):
+        ep = cfg.degrees.get("ep", 1)
+        if asked:
+            return [f"{' and '.join(asked)} {verb} this package's mixture of experts; {cfg.model} is a Hugging Face "
+                    "Mixtral, which routes as its config.json says (num_experts_per_tok): leave them out"]
+        if ep > 1 and cfg.strategy != "deepspeed-moe" or cfg.strategy == "ep-scratch":
+            return [f"{cfg.model} is a Hugging Face Mixtral: its experts go over ranks with --strategy "
+                    f"deepspeed-moe (DeepSpeed-MoE's layer); {cfg.strategy}{' --ep' if ep > 1 else ''} cuts "
+                    "this package's presets' experts (gpt-moe-tiny, gpt-moe-small)"]
+        if experts % ep:
+            fits = " or ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
+            return [f"ep {ep} does not divide the {experts} experts of each layer of {cfg.model}: every rank holds "
+                    f"an equal share; use --ep {fits}"]
+        return []
     if layer is None:
         problems = [f"{' and '.join(asked)} {verb} a mixture of experts; {cfg.model} is not one of this package's "
                     "mixture-of-experts presets (gpt-moe-tiny, gpt-moe-small): use one, or leave them out"
