@@ -5,7 +5,6 @@ unbroken run; a damaged or foreign checkpoint is refused by name before anything
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -203,13 +202,39 @@ def test_the_data_resume_where_they_stopped():
         assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(rest, whole[start:]))
 
 
-def test_the_local_names_of_a_layout_load_only_under_it(tmp_path):
-    """tp-scratch's slices are its ranks' own: another layout is told why, before any process starts."""
-    cfg = RunConfig(strategy="tp-scratch", world_size=2, checkpoint_dir=str(tmp_path / "ck"), **{**BASE, "steps": 1})
-    launch(cfg, progress=False)
-    with pytest.raises(ConfigError, match="only that layout reads; resume with --strategy tp-scratch"):
-        RunConfig(strategy="ddp", world_size=2, resume=cfg.checkpoint_dir, **BASE).validate()
-    assert os.path.isdir(checkpoint.step_dir(cfg.checkpoint_dir, 1))
+@pytest.mark.parametrize("chain", [
+    # flat shards across parameters' ends -> slices (q, k, v each cut by heads) -> whole optimizer partitions
+    [("zero3", 2, {}), ("tp-scratch", 2, {}), ("zero1-torch", 2, {}), ("single", 1, {})],
+    # rows of experts -> rows of experts sharded by FSDP over their copies -> whole
+    [("ep-scratch", 2, {"model": "gpt-moe-tiny"}), ("fsdp", 4, {"model": "gpt-moe-tiny", "ep": 2}),
+     ("single", 1, {"model": "gpt-moe-tiny"})],
+], ids=["zero3-tp-zero1torch-single", "ep-fsdpxep-single"])
+def test_a_local_checkpoint_moves_between_layouts_unchanged(tmp_path, chain):
+    """Local layouts (each rank's pieces under its own keys) load under any other through their canonical
+    copy, and load a canonical checkpoint by cutting their pieces from it: every tensor bit for bit."""
+    folders = []
+    for i, (strategy, n, over) in enumerate(chain):
+        cfg = RunConfig(strategy=strategy, world_size=n, checkpoint_dir=str(tmp_path / str(i)),
+                        resume=str(folders[-1]) if folders else None, **{**BASE, "steps": 2, **over})
+        launch(cfg, progress=False)
+        folders.append(checkpoint.step_dir(cfg.checkpoint_dir, 2))
+    assert checkpoint.read_meta(folders[0])["names"] == "local"
+    first = checkpoint.whole(folders[0])[0]  # through its canonical copy, made beside it
+    assert folders[0].with_name(folders[0].name + ".canonical").is_dir()
+    assert any(k.endswith(".exp_avg_sq") for k in first)
+    for folder in folders[1:]:
+        again = checkpoint.whole(folder)[0]
+        assert again.keys() == first.keys()
+        assert [k for k in first if not torch.equal(first[k], again[k])] == []
+
+
+def test_deepspeeds_engine_files_load_only_under_their_layout():
+    """DeepSpeed saves itself: another layout is told why, before any process starts."""
+    cfg = RunConfig(strategy="ddp", world_size=2, **BASE)
+    meta = {"names": "deepspeed", "config": {"strategy": "deepspeed-zero2"}, "grid": {"dp": 2, "pp": 1, "tp": 1},
+            "steps_done": 1, "same_run": {k: getattr(cfg, k) for k in checkpoint.SAME_RUN}}
+    (problem,) = checkpoint.compatibility_problems(meta, cfg)
+    assert "engine files only DeepSpeed with the same degrees reads; resume with --strategy deepspeed-zero2" in problem
 
 
 def test_an_exported_checkpoint_is_a_transformers_gpt2_computing_the_same_logits(saved, tmp_path):

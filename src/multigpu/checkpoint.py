@@ -19,7 +19,9 @@ How a strategy's state is named decides where it can be loaded again:
   device): each rank reads the pieces it needs. Replicated tensors (DDP's) are written once.
 - "local": a strategy that cuts tensors its own way into plain tensors (the from-scratch
   ZeRO's flat shards, tp-scratch's slices, ep-scratch's rows of experts) saves each rank's
-  pieces under the rank's own keys: exact resume on the same layout, nothing else.
+  pieces under the rank's own keys, with where each lies in the whole tensors (`places`): the
+  same layout reads them back as they are; any other reads `canonical_copy`, the whole tensors
+  put together from every rank's pieces once, beside the checkpoint.
 - "deepspeed": DeepSpeed's engine saves itself (`engine.save_checkpoint`), beside our state.
 
 A strategy says which (`Parallelized.checkpoint_names`); the names themselves are made in
@@ -38,6 +40,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -50,6 +53,7 @@ from multigpu.errors import ConfigError
 from multigpu.strategies.state import (
     checkpoint_state,
     checkpoint_targets,
+    fill_local,
     local_tensor,
     put_back_checkpoint_state,
 )
@@ -219,6 +223,7 @@ class Checkpointer:
         if self.rt.rank == 0 and self.cfg.checkpoint_keep:
             for stale in complete(self.root)[:-self.cfg.checkpoint_keep]:
                 shutil.rmtree(stale, ignore_errors=True)
+                shutil.rmtree(stale.with_name(stale.name + ".canonical"), ignore_errors=True)  # its copy, if made
         dist.barrier(group=self.group)
         now = time.perf_counter()
         by_rank = [0] * self.rt.world_size
@@ -309,12 +314,15 @@ def compatibility_problems(meta: dict, cfg) -> list[str]:
         return [f"it holds {meta['steps_done']} steps done and this run asks for steps={cfg.steps}: nothing to "
                 f"train; give more steps than {meta['steps_done']} (or as many, with a checkpoint_dir, to save it "
                 "again under this run's layout)"]
-    same_layout = saved["strategy"] == cfg.strategy and meta["grid"] == cfg.grid.as_dict()
-    if meta["names"] != "canonical" and not same_layout:
-        return [f"it was saved by {saved['strategy']} on grid {meta['grid']}, whose pieces ({meta['names']} "
-                f"names) only that layout reads; resume with --strategy {saved['strategy']} and the same degrees, "
-                "or save from a strategy whose checkpoints are canonical (fsdp, ddp, tp, pp, single)"]
+    if meta["names"] == "deepspeed" and not same_layout(meta, cfg):
+        return [f"it was saved by {saved['strategy']} on grid {meta['grid']}, whose engine files only DeepSpeed "
+                f"with the same degrees reads; resume with --strategy {saved['strategy']} and the same degrees, "
+                "or save from a strategy this package names itself (fsdp, ddp, tp, pp, single, ...)"]
     return []
+
+
+def same_layout(meta: dict, cfg) -> bool:
+    return meta["config"]["strategy"] == cfg.strategy and meta["grid"] == cfg.grid.as_dict()
 
 
 def whole(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -324,15 +332,77 @@ def whole(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     and its meta.json."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    path = resolve(path)
+    path = canonical_copy(path)
     meta = read_meta(path)
-    if meta["names"] != "canonical":
-        raise CheckpointError(f"{path} holds {meta['names']} pieces of {meta['config']['strategy']}'s layout, not "
-                              "the single-device names: load it with the same layout and save it from a canonical one")
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp, "whole.pt"))
         state = torch.load(Path(tmp, "whole.pt"), weights_only=False)
     return _flat({k: state[k] for k in ("model", "optimizer")}), meta
+
+
+def canonical_copy(path: str | Path) -> Path:
+    """A checkpoint under the single-device names: `path` itself when it is one; for a local layout's
+    (each rank's own pieces), a copy beside it (`step-N.canonical`, made once, in this process) whose
+    tensors are put together whole from every rank's pieces by where each says it lies (`places`,
+    strategies/state.py), every element of every tensor accounted for. DCP then reads it under any layout."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = resolve(path)
+    meta = read_meta(path)
+    if meta["names"] == "canonical":
+        return path
+    if meta["names"] != "local":
+        raise CheckpointError(f"{path} holds DeepSpeed's engine files ({meta['config']['strategy']}), which only "
+                              "DeepSpeed with the same degrees reads")
+    out = path.with_name(path.name + ".canonical")
+    if (out / META).exists():
+        read_meta(out)
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, Path(tmp, "local.pt"))
+        state = torch.load(Path(tmp, "local.pt"), weights_only=False)
+    wholes, covered = {}, {}
+    for rank_key in sorted(k for k in state if re.fullmatch(r"rank\d+", k)):
+        mine = state[rank_key]
+        pieces = _flat({k: v for k, v in mine.items() if k != "places"})
+        for key, found in json.loads(mine["places"]).items():
+            piece = pieces[key]
+            for name, shape, how in found:
+                whole = wholes.setdefault(name, torch.empty(shape, dtype=piece.dtype))
+                seen = covered.setdefault(name, torch.zeros(shape, dtype=torch.bool))
+                if how[0] == "scalar":
+                    whole.copy_(piece)
+                    seen.fill_(True)
+                elif how[0] == "flat":
+                    _, src, dst, n = how
+                    whole.view(-1)[dst:dst + n] = piece.reshape(-1)[src:src + n]
+                    seen.view(-1)[dst:dst + n] = True
+                else:
+                    block = tuple(slice(*b) for b in how[1])
+                    whole[block] = piece[tuple(slice(*b) for b in how[2])]
+                    seen[block] = True
+    holes = [name for name, seen in covered.items() if not seen.all()]
+    if holes:
+        raise CheckpointError(f"checkpoint {path}: no rank saved all of {', '.join(holes[:3])}"
+                              f"{f' and {len(holes) - 3} more' if len(holes) > 3 else ''}; it cannot be read "
+                              "under another layout")
+    model = {k[len("model."):]: v for k, v in wholes.items() if k.startswith("model.")}
+    optimizer: dict = {}
+    for k, v in wholes.items():
+        if k.startswith("optimizer."):
+            name, key = k[len("optimizer."):].rsplit(".", 1)
+            optimizer.setdefault(name, {})[key] = v
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save({"model": model, "optimizer": optimizer, "train": state["train"]}, checkpoint_id=partial,
+                 no_dist=True)
+    meta = {**meta, "names": "canonical", "files": files_of(partial),
+            "converted_from": {"strategy": meta["config"]["strategy"], "grid": meta["grid"], "path": str(path)}}
+    (partial / META).write_text(json.dumps(meta, indent=1))
+    os.replace(partial, out)
+    return out
 
 
 def whole_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -355,17 +425,33 @@ def load(path: str | Path, par, cfg, rt) -> dict:
     problems = compatibility_problems(meta, cfg)
     if problems:
         raise CheckpointError(f"cannot continue from {path}: " + "; ".join(problems))
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     names = par.checkpoint_names
-    if names == "local" and meta["names"] != "local":
-        raise CheckpointError(f"cannot continue from {path}: {cfg.strategy} saves and loads its own pieces, and "
-                              f"this checkpoint is {meta['names']}")
+    if meta["names"] == "local" and not (names == "local" and same_layout(meta, cfg)):
+        # another layout reads a local one through its canonical copy, made once by rank 0
+        if rt.rank == 0:
+            canonical_copy(path)
+        dist.barrier()
+        path = canonical_copy(path)
+        meta = read_meta(path)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if names == "deepspeed" and meta["names"] != "deepspeed":
+        raise CheckpointError(f"cannot continue from {path}: {cfg.strategy} loads DeepSpeed's engine files, and "
+                              f"this checkpoint holds {meta['names']} names (saved by {meta['config']['strategy']})")
     state, how = ({}, {}) if names == "deepspeed" else checkpoint_targets(par, rt.rank)
+    for mine in state.values():  # where a local layout's pieces lie: written for other layouts, not read back
+        mine.pop("places", None)
+    wholes = None
+    if names == "local" and meta["names"] == "canonical":  # this rank's pieces, cut from the whole tensors
+        pieces = _flat(how["state"])
+        wholes = {name: torch.empty(shape, dtype=pieces[key].dtype, device="cpu")
+                  for key, found in how["places"].items() for name, shape, _ in found}
+        state = dict(wholes)
     state["train"] = _train_targets(rt.rank, rt.device, saved)
     wanted = list(_flat(state))
     missing = [k for k in wanted if k not in saved]
-    if names == "local":  # a rank's own pieces: every one it saved has a place now, or the layouts differ
-        missing += [f"a place for {k}" for k in saved if k.startswith(f"rank{rt.rank}.") and k not in wanted]
+    if names == "local" and wholes is None:  # a rank's own pieces: every one it saved has a place now
+        missing += [f"a place for {k}" for k in saved if k.startswith(f"rank{rt.rank}.") and k not in wanted
+                    and not k.endswith(".places")]
     if missing:
         raise CheckpointError(f"cannot continue from {path}: it lacks {', '.join(missing[:3])}"
                               f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}, which this run "
@@ -380,7 +466,9 @@ def load(path: str | Path, par, cfg, rt) -> dict:
     except Exception as err:
         raise CheckpointError(f"could not read checkpoint {path}: {type(err).__name__}: "
                               f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
-    if names != "deepspeed":
+    if wholes is not None:
+        fill_local(how["state"], how["places"], wholes)
+    elif names != "deepspeed":
         put_back_checkpoint_state(par, state, how)
     train = state["train"]
     for key, value in train.items():

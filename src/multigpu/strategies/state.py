@@ -27,6 +27,7 @@ live tensors a load writes into, and `put_back_checkpoint_state` what is left to
 
 from __future__ import annotations
 
+import json
 import re
 
 import torch
@@ -198,18 +199,128 @@ def checkpoint_state(par, rank: int) -> tuple[dict, dict]:
     if par.checkpoint_names == "local":  # the module's tensors (but those a ZeRO-3 frees between steps), and the
         # optimizer's own parameters (the from-scratch ZeRO's flat shards) and their state, by position
         optim = optimizer.state_dict()
-        model = {k: local_tensor(v) for k, v in module.state_dict().items() if local_tensor(v).untyped_storage().size()}
+        live = {k: v for k, v in module.state_dict(keep_vars=True).items() if local_tensor(v).untyped_storage().size()}
+        model = {k: local_tensor(v).detach() for k, v in live.items()}
         held = {t.data_ptr() for t in model.values()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        state = {f"rank{rank}": {
-            "model": model,  # the optimizer's parameters that are not the module's own tensors (saved once)
-            "params": {str(i): local_tensor(p.data) for i, p in enumerate(params)
-                       if local_tensor(p.data).data_ptr() not in held},
-            "optimizer": {str(i): {k: local_tensor(v) for k, v in s.items()} for i, s in optim["state"].items()}}}
-        return state, {"local": True}
+        mine = {"model": model,  # the optimizer's parameters that are not the module's own tensors (saved once)
+                "params": {str(i): local_tensor(p.data) for i, p in enumerate(params)
+                           if local_tensor(p.data).data_ptr() not in held},
+                "optimizer": {str(i): {k: local_tensor(v) for k, v in s.items()} for i, s in optim["state"].items()}}
+        # where every piece lies in the whole tensors, under the single-device names: what lets another layout
+        # read this one (multigpu.checkpoint.canonical_copy)
+        places = _local_places(module, live, params, mine)
+        return {f"rank{rank}": {**mine, "places": json.dumps(places)}}, {"local": True, "places": places,
+                                                                         "state": mine}
     model_sd, optim_sd = get_state_dict(module, optimizer)
     model, optim, fused = _canonical(module, model_sd, optim_sd["state"])
     return {"model": model, "optimizer": optim}, {"model_sd": model_sd, "optim_sd": optim_sd, "fused": fused}
+
+
+# -- a local layout's pieces, and where they lie in the whole tensors ----------------------------------------
+#
+# A place is [whole name, whole shape, how]: how is ["block", whole_block, piece_block] (per dimension
+# [start, stop]: whole[whole_block] is piece[piece_block]), ["flat", piece_start, whole_start, length]
+# (ranges of the flattened tensors: a from-scratch ZeRO's flat shard over its parameters) or ["scalar"]
+# (an optimizer's step count). Whole names are a canonical checkpoint's: model.<name>, optimizer.<name>.<key>.
+
+
+def _rows_of_experts(module: nn.Module) -> dict[int, tuple[int, int]]:
+    """id(parameter) -> (first row, rows in all) for each expert-parallel layer's stacked experts."""
+    from multigpu import moe
+
+    rows = {}
+    for layer in moe.layers(module):
+        group = getattr(layer.dispatch, "group", None)
+        if group is not None:
+            for p in layer.experts.parameters():
+                rows[id(p)] = (dist.get_rank(group) * p.shape[0], layer.experts_total)
+    return rows
+
+
+def _blocks(t, rows: tuple[int, int] | None) -> list[tuple[list, list, list]]:
+    """[(whole shape, whole block, piece block)] of a live tensor: a DTensor's piece, an expert-parallel
+    rank's rows of the experts, a tp_scratch slice (of each of its fused parts), or itself whole."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = local_tensor(t)
+    shape, piece = list(t.shape), [[0, n] for n in local.shape]
+    if isinstance(t, DTensor):
+        lshape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        block = [[o, o + n] for o, n in zip(offset, lshape)]
+    else:
+        block = [list(b) for b in piece]
+    if rows is not None:
+        first, total = rows
+        shape[0], block[0] = total, [block[0][0] + first, block[0][1] + first]
+    dim = getattr(t, "tensor_parallel_dim", None)
+    if dim is None:
+        return [(shape, block, piece)]
+    parts, (rank, tp) = t.tensor_parallel_parts, t.tensor_parallel_place
+    c = local.shape[dim] // parts  # each part's rows on this rank
+    shape[dim] = c * tp * parts
+    out = []
+    for k in range(parts):
+        whole_block, piece_block = [list(b) for b in block], [list(b) for b in piece]
+        whole_block[dim], piece_block[dim] = [(k * tp + rank) * c, (k * tp + rank + 1) * c], [k * c, (k + 1) * c]
+        out.append((shape, whole_block, piece_block))
+    return out
+
+
+def _local_places(module: nn.Module, live: dict, params: list, mine: dict) -> dict[str, list]:
+    """{key of this rank's state (model.<name>, params.<i>, optimizer.<i>.<key>): [place, ...]}."""
+    names: dict[int, list[str]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(_canonical_name(module, name))
+    rows = _rows_of_experts(module)
+    places = {f"model.{k}": [[f"model.{_canonical_name(module, k)}", shape, ["block", block, piece]]
+                             for shape, block, piece in _blocks(t, rows.get(id(t)))] for k, t in live.items()}
+
+    def of(p, prefix: str, suffix: str, scalar: bool) -> list:
+        flat = getattr(p, "flat_shards", None)
+        if flat is not None:  # a from-scratch ZeRO's shard: ranges of its parameters
+            found = []
+            for q, start, n, shape in zip(flat.params, flat.starts, flat.numels, flat.shapes):
+                lo, hi = max(start, flat.lo), min(start + n, flat.hi)
+                if lo < hi:
+                    found += [[f"{prefix}.{name}{suffix}", [], ["scalar"]] if scalar else
+                              [f"{prefix}.{name}{suffix}", list(shape), ["flat", lo - flat.lo, lo - start, hi - lo]]
+                              for name in names[id(q)]]
+            return found
+        if scalar:  # a step count: one per parameter, the same on every rank
+            return [[f"{prefix}.{name}{suffix}", [], ["scalar"]] for name in names.get(id(p), [])]
+        return [[f"{prefix}.{name}{suffix}", shape, ["block", block, piece]]
+                for name in names.get(id(p), []) for shape, block, piece in _blocks(p, rows.get(id(p)))]
+
+    for i, p in enumerate(params):
+        if str(i) in mine["params"]:
+            places[f"params.{i}"] = of(p, "model", "", False)
+        for key, value in mine["optimizer"].get(str(i), {}).items():
+            places[f"optimizer.{i}.{key}"] = of(p, "optimizer", f".{key}", value.dim() == 0)
+    missing = [k for k, v in places.items() if not v]
+    if missing:
+        raise RuntimeError(f"checkpoint: no place in the whole model for {', '.join(missing[:3])}")
+    return places
+
+
+def fill_local(state: dict, places: dict, wholes: dict[str, torch.Tensor]) -> None:
+    """Write this rank's pieces (`state`: model/params/optimizer, the live tensors or views of them) from
+    whole tensors under the single-device names (each piece from its first place: replicas agree)."""
+    from multigpu.checkpoint import _flat
+
+    pieces = _flat(state)
+    with torch.no_grad():
+        for key, found in places.items():
+            piece, (name, _, how) = pieces[key], found[0]
+            if how[0] == "scalar":
+                piece.copy_(wholes[name])
+            elif how[0] == "flat":
+                for whole_name, _, (_, src, dst, n) in found:
+                    piece.view(-1)[src:src + n].copy_(wholes[whole_name].reshape(-1)[dst:dst + n])
+            else:
+                for whole_name, _, (_, block, piece_block) in found:
+                    piece[tuple(slice(*b) for b in piece_block)].copy_(
+                        wholes[whole_name][tuple(slice(*b) for b in block)])
 
 
 def put_back_checkpoint_state(par, state: dict, how: dict) -> None:

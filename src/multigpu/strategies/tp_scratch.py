@@ -39,6 +39,7 @@ def _shard(full: torch.Tensor, dim: int, group, parts: int = 1) -> nn.Parameter:
     pieces = [part.chunk(tp, dim)[rank] for part in full.detach().chunk(parts, dim)]
     param = nn.Parameter(torch.cat(pieces, dim).clone(), requires_grad=full.requires_grad)
     param.tensor_parallel_dim, param.tensor_parallel_parts = dim, parts  # how state.sliced_state_dict puts it back
+    param.tensor_parallel_place = (rank, tp)  # and where a checkpoint's piece lies in the whole (state._blocks)
     return param
 
 

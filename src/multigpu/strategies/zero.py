@@ -44,6 +44,7 @@ class FlatShards:
         # stage 3's bookkeeping: gathered for backward, how many gradients have arrived
         self.in_backward, self.awaiting_backward, self.grads_ready = False, False, 0
         self.numels = [p.numel() for p in params]
+        self.shapes = [tuple(p.shape) for p in params]
         self.starts = [sum(self.numels[:i]) for i in range(len(params))]
         total = sum(self.numels)
         self.size = math.ceil(total / world_size)  # S: elements per shard
@@ -59,6 +60,7 @@ class FlatShards:
         else:  # stages 1, 2: the shard is a window on the full buffer
             self.shard = nn.Parameter(self.full[self.lo:self.hi])
         self.shard_grad = torch.zeros_like(self.shard)  # the sum of this shard's gradients
+        self.shard.flat_shards = self  # where a checkpoint's shard lies in the parameters (state._local_places)
         self.shard.grad = self.shard_grad  # always: the optimizer and the memory tracker see it as a gradient
 
     def owners(self, start: int, end: int):
