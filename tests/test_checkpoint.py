@@ -65,7 +65,7 @@ def resumed(tmp_path_factory):
     first = _series(unbroken, root / "first")
     again = [c.replace(checkpoint_dir=None, checkpoint_every=None, checkpoint_async=False,
                        resume=str(checkpoint.step_dir(c.checkpoint_dir, 2))) for c in unbroken]
-    return first, _series(again, root / "again")
+    return first, _series(again, root / "again"), [checkpoint.step_dir(c.checkpoint_dir, 2) for c in unbroken]
 
 
 @pytest.mark.parametrize("case", range(len(RESUMED)), ids=[f"{s}-{n}{''.join(f'-{k}{v}' for k, v in o.items())}"
@@ -228,13 +228,40 @@ def test_a_local_checkpoint_moves_between_layouts_unchanged(tmp_path, chain):
         assert [k for k in first if not torch.equal(first[k], again[k])] == []
 
 
-def test_deepspeeds_engine_files_load_only_under_their_layout():
-    """DeepSpeed saves itself: another layout is told why, before any process starts."""
-    cfg = RunConfig(strategy="ddp", world_size=2, **BASE)
-    meta = {"names": "deepspeed", "config": {"strategy": "deepspeed-zero2"}, "grid": {"dp": 2, "pp": 1, "tp": 1},
-            "steps_done": 1, "same_run": {k: getattr(cfg, k) for k in checkpoint.SAME_RUN}}
-    (problem,) = checkpoint.compatibility_problems(meta, cfg)
-    assert "engine files only DeepSpeed with the same degrees reads; resume with --strategy deepspeed-zero2" in problem
+DEEPSPEED = RESUMED.index(("deepspeed-zero2", 2, {}))
+
+
+def test_deepspeeds_checkpoint_goes_on_under_another_layout(resumed, tmp_path):
+    """DeepSpeed's engine files, through DeepSpeed's universal checkpoint into a canonical copy: one device resumes
+    from step 2 and ends its third step where DeepSpeed's unbroken run did (parity's tolerance: another order of
+    sums), which it could not with a wrong moment or step count."""
+    folder, unbroken = resumed[2][DEEPSPEED], resumed[0][DEEPSPEED][1]
+    cfg = RunConfig(strategy="single", resume=str(folder), **BASE)
+    (record, weights), = _series([cfg], tmp_path)
+    assert record["checkpoint"]["resumed"]["saved_by"]["strategy"] == "deepspeed-zero2"
+    assert weights.keys() == unbroken.keys()
+    assert max((weights[k] - unbroken[k]).abs().max().item() for k in weights) < 1e-5
+    tensors = checkpoint.whole(folder)[0]
+    assert {k for k in tensors if k.startswith("optimizer.lm_head.weight.")} == {
+        f"optimizer.lm_head.weight.{s}" for s in ("exp_avg", "exp_avg_sq", "step")}  # tied: under both names
+
+
+def test_deepspeed_reads_only_its_own_engine_files():
+    """DeepSpeed loads its engine files with their degrees; another layout's checkpoint, or DeepSpeed-MoE's
+    (the library's own module names), is refused with why, before any process starts."""
+    def meta(strategy, names="deepspeed", dp=2, model="gpt-tiny"):
+        cfg = RunConfig(strategy="ddp", world_size=2, **{**BASE, "model": model})
+        return {"names": names, "config": {"strategy": strategy}, "grid": {"dp": dp, "pp": 1, "tp": 1},
+                "steps_done": 1, "same_run": {k: getattr(cfg, k) for k in checkpoint.SAME_RUN}}
+
+    four = RunConfig(strategy="deepspeed-zero2", world_size=4, **BASE)
+    assert "DeepSpeed reads its engine files with the same degrees only" in checkpoint.compatibility_problems(
+        meta("deepspeed-zero2"), four)[0]
+    assert "resumes from DeepSpeed's own engine files only" in checkpoint.compatibility_problems(
+        meta("fsdp", names="canonical"), four)[0]
+    moe = RunConfig(strategy="single", **{**BASE, "model": "gpt-moe-tiny"})
+    assert "DeepSpeed-MoE's modules under the library's names" in checkpoint.compatibility_problems(
+        meta("deepspeed-moe", model="gpt-moe-tiny"), moe)[0]
 
 
 def test_an_exported_checkpoint_is_a_transformers_gpt2_computing_the_same_logits(saved, tmp_path):

@@ -22,7 +22,9 @@ How a strategy's state is named decides where it can be loaded again:
   pieces under the rank's own keys, with where each lies in the whole tensors (`places`): the
   same layout reads them back as they are; any other reads `canonical_copy`, the whole tensors
   put together from every rank's pieces once, beside the checkpoint.
-- "deepspeed": DeepSpeed's engine saves itself (`engine.save_checkpoint`), beside our state.
+- "deepspeed": DeepSpeed's engine saves itself (`engine.save_checkpoint`), beside our state;
+  DeepSpeed reads it back with the same degrees, and any other layout through `canonical_copy`
+  (DeepSpeed's universal checkpoint, read whole).
 
 A strategy says which (`Parallelized.checkpoint_names`); the names themselves are made in
 `strategies/state.py` (`checkpoint_state`), beside the code that gathers a strategy's whole weights.
@@ -302,7 +304,6 @@ def read_meta(path: Path) -> dict:
 
 def compatibility_problems(meta: dict, cfg) -> list[str]:
     """Why a run with `cfg` cannot continue from a checkpoint described by `meta` (empty: it can)."""
-    saved = meta["config"]
     problems = [f"{k} {meta['same_run'][k]!r} (this run: {getattr(cfg, k)!r})" for k in SAME_RUN
                 if meta["same_run"][k] != getattr(cfg, k)]
     if problems:
@@ -315,9 +316,16 @@ def compatibility_problems(meta: dict, cfg) -> list[str]:
                 f"train; give more steps than {meta['steps_done']} (or as many, with a checkpoint_dir, to save it "
                 "again under this run's layout)"]
     if meta["names"] == "deepspeed" and not same_layout(meta, cfg):
-        return [f"it was saved by {saved['strategy']} on grid {meta['grid']}, whose engine files only DeepSpeed "
-                f"with the same degrees reads; resume with --strategy {saved['strategy']} and the same degrees, "
-                "or save from a strategy this package names itself (fsdp, ddp, tp, pp, single, ...)"]
+        if meta["config"]["strategy"] == "deepspeed-moe":
+            return [f"it was saved by deepspeed-moe on grid {meta['grid']}, whose experts are DeepSpeed-MoE's "
+                    "modules under the library's names: only deepspeed-moe with the same degrees reads it"]
+        if cfg.info.module in ("deepspeed", "deepspeed_moe"):
+            return [f"it was saved by {meta['config']['strategy']} on grid {meta['grid']}; DeepSpeed reads its "
+                    f"engine files with the same degrees only: resume with --strategy {meta['config']['strategy']} "
+                    "and the same degrees (any strategy of this package's own reads it under another layout)"]
+    if meta["names"] != "deepspeed" and cfg.info.module in ("deepspeed", "deepspeed_moe"):
+        return [f"{cfg.strategy} resumes from DeepSpeed's own engine files only, and this checkpoint was saved by "
+                f"{meta['config']['strategy']}: resume it with one of this package's strategies"]
     return []
 
 
@@ -351,9 +359,6 @@ def canonical_copy(path: str | Path) -> Path:
     meta = read_meta(path)
     if meta["names"] == "canonical":
         return path
-    if meta["names"] != "local":
-        raise CheckpointError(f"{path} holds DeepSpeed's engine files ({meta['config']['strategy']}), which only "
-                              "DeepSpeed with the same degrees reads")
     out = path.with_name(path.name + ".canonical")
     if (out / META).exists():
         read_meta(out)
@@ -361,6 +366,16 @@ def canonical_copy(path: str | Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp, "local.pt"))
         state = torch.load(Path(tmp, "local.pt"), weights_only=False)
+        if meta["names"] == "deepspeed":
+            shapes, tied = _shapes_and_ties(meta["config"]["model"])
+            model, optimizer = _from_deepspeed(path, Path(tmp), shapes)
+            for names in tied:  # a tied weight (and its state) under each of its names
+                for found in (model, optimizer):
+                    held = [found[n] for n in names if n in found]
+                    for name in names:
+                        if held:
+                            found.setdefault(name, held[0])
+            return _write_canonical(out, meta, model, optimizer, state["train"], path)
     wholes, covered = {}, {}
     for rank_key in sorted(k for k in state if re.fullmatch(r"rank\d+", k)):
         mine = state[rank_key]
@@ -392,17 +407,76 @@ def canonical_copy(path: str | Path) -> Path:
         if k.startswith("optimizer."):
             name, key = k[len("optimizer."):].rsplit(".", 1)
             optimizer.setdefault(name, {})[key] = v
+    return _write_canonical(out, meta, model, optimizer, state["train"], path)
+
+
+def _write_canonical(out: Path, meta: dict, model: dict, optimizer: dict, train: dict, path: Path) -> Path:
+    """Save whole tensors as a canonical checkpoint at `out` (aside, then renamed), described as `path`'s copy."""
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save({"model": model, "optimizer": optimizer, "train": state["train"]}, checkpoint_id=partial,
-                 no_dist=True)
+        dcp.save({"model": model, "optimizer": optimizer, "train": train}, checkpoint_id=partial, no_dist=True)
     meta = {**meta, "names": "canonical", "files": files_of(partial),
             "converted_from": {"strategy": meta["config"]["strategy"], "grid": meta["grid"], "path": str(path)}}
     (partial / META).write_text(json.dumps(meta, indent=1))
     os.replace(partial, out)
     return out
+
+
+def _shapes_and_ties(model_name: str) -> tuple[dict[str, torch.Size], list[list[str]]]:
+    """Every tensor's shape in the model, and the names that share one tensor (GPT-2's embedding and
+    head): the model built on the meta device."""
+    from multigpu.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_name)
+    names: dict[int, list[str]] = {}
+    shapes = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
+        shapes[name] = t.shape
+    return shapes, [group for group in names.values() if len(group) > 1]
+
+
+def _from_deepspeed(path: Path, tmp: Path, shapes: dict[str, torch.Size]) -> tuple[dict, dict]:
+    """(weights, optimizer state) of DeepSpeed's engine files, whole, under the model's names: DeepSpeed's own
+    conversion to its universal checkpoint (`deepspeed.checkpoint.ds_to_universal`, one folder per parameter
+    holding its fp32 value, each optimizer state and the step count), read back."""
+    import subprocess
+    import sys
+
+    universal = tmp / "universal"
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(path / "engine"), "--output_folder", str(universal), "--num_extract_workers", "1",
+                           "--num_merge_workers", "1", "--inject_missing_state"],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise CheckpointError(f"DeepSpeed could not convert {path} to its universal checkpoint: {last}")
+    model, optimizer = {}, {}
+    # the step count: per parameter for ZeRO-1/2; for ZeRO-3 in the optimizer's common state, one per group
+    common = torch.load(universal / "zero" / "optimizer_state.pt", weights_only=False) \
+        if (universal / "zero" / "optimizer_state.pt").exists() else {}
+    steps = {float(s["step"]): s["step"] for s in common.get("optimizer_state_dict", {}).get("state", {}).values()
+             if "step" in s}
+    for folder in sorted((universal / "zero").iterdir()):
+        if not folder.is_dir():
+            continue
+        for file in folder.glob("*.pt"):
+            value = torch.load(file, weights_only=False)
+            value = value["param"] if isinstance(value, dict) else value
+            if value.dim() and folder.name in shapes:  # ZeRO-3's come flat
+                value = value.reshape(shapes[folder.name])
+            if file.stem == "fp32":
+                model[folder.name] = value
+            else:
+                optimizer.setdefault(folder.name, {})[file.stem] = value
+    for state in optimizer.values():
+        if "step" not in state and len(steps) == 1:
+            state["step"] = next(iter(steps.values())).clone()
+    return model, optimizer
 
 
 def whole_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -426,8 +500,8 @@ def load(path: str | Path, par, cfg, rt) -> dict:
     if problems:
         raise CheckpointError(f"cannot continue from {path}: " + "; ".join(problems))
     names = par.checkpoint_names
-    if meta["names"] == "local" and not (names == "local" and same_layout(meta, cfg)):
-        # another layout reads a local one through its canonical copy, made once by rank 0
+    if meta["names"] in ("local", "deepspeed") and not (names == meta["names"] and same_layout(meta, cfg)):
+        # another layout reads a local one (or DeepSpeed's) through its canonical copy, made once by rank 0
         if rt.rank == 0:
             canonical_copy(path)
         dist.barrier()
