@@ -246,22 +246,37 @@ def test_deepspeeds_checkpoint_goes_on_under_another_layout(resumed, tmp_path):
         f"optimizer.lm_head.weight.{s}" for s in ("exp_avg", "exp_avg_sq", "step")}  # tied: under both names
 
 
-def test_deepspeed_reads_only_its_own_engine_files():
-    """DeepSpeed loads its engine files with their degrees; another layout's checkpoint, or DeepSpeed-MoE's
-    (the library's own module names), is refused with why, before any process starts."""
+def test_deepspeed_takes_another_layouts_checkpoint_unchanged(resumed, tmp_path):
+    """One device's step-2 checkpoint into DeepSpeed's engine (each parameter, its fp32 partition and its moments
+    set whole through DeepSpeed's safe_set_full_* calls; ZeRO-3's parameters gathered, set, partitioned again),
+    saved again by the engine: the weights it trains with, and every tensor of its checkpoint, bit for bit."""
+    single = RESUMED.index(("single", 1, {}))
+    folder = resumed[2][single]
+    first = checkpoint.whole(folder)[0]
+    cfgs = [RunConfig(strategy=s, world_size=2, resume=str(folder), checkpoint_dir=str(tmp_path / s),
+                      **{**BASE, "steps": 2}) for s in ("deepspeed-zero2", "deepspeed-zero3")]
+    for cfg, (record, weights) in zip(cfgs, _series(cfgs, tmp_path / "runs")):
+        assert record["checkpoint"]["resumed"]["saved_by"]["strategy"] == "single"
+        assert all(torch.equal(weights[k], first[f"model.{k}"]) for k in weights)
+        again = checkpoint.whole(checkpoint.step_dir(cfg.checkpoint_dir, 2))[0]
+        assert again.keys() == first.keys()
+        assert [k for k in first if not torch.equal(first[k], again[k])] == []
+
+
+def test_deepspeed_moe_reads_only_its_own_engine_files():
+    """DeepSpeed-MoE's checkpoint holds the library's module names: another layout is refused with why, before
+    any process starts."""
     def meta(strategy, names="deepspeed", dp=2, model="gpt-tiny"):
         cfg = RunConfig(strategy="ddp", world_size=2, **{**BASE, "model": model})
         return {"names": names, "config": {"strategy": strategy}, "grid": {"dp": dp, "pp": 1, "tp": 1},
                 "steps_done": 1, "same_run": {k: getattr(cfg, k) for k in checkpoint.SAME_RUN}}
 
-    four = RunConfig(strategy="deepspeed-zero2", world_size=4, **BASE)
-    assert "DeepSpeed reads its engine files with the same degrees only" in checkpoint.compatibility_problems(
-        meta("deepspeed-zero2"), four)[0]
-    assert "resumes from DeepSpeed's own engine files only" in checkpoint.compatibility_problems(
-        meta("fsdp", names="canonical"), four)[0]
     moe = RunConfig(strategy="single", **{**BASE, "model": "gpt-moe-tiny"})
     assert "DeepSpeed-MoE's modules under the library's names" in checkpoint.compatibility_problems(
         meta("deepspeed-moe", model="gpt-moe-tiny"), moe)[0]
+    into = RunConfig(strategy="deepspeed-moe", world_size=2, **{**BASE, "model": "gpt-moe-tiny"})
+    assert "reads only its own engine files, with the same degrees" in checkpoint.compatibility_problems(
+        meta("ep-scratch", names="local", model="gpt-moe-tiny"), into)[0]
 
 
 def test_an_exported_checkpoint_is_a_transformers_gpt2_computing_the_same_logits(saved, tmp_path):

@@ -24,7 +24,8 @@ How a strategy's state is named decides where it can be loaded again:
   put together from every rank's pieces once, beside the checkpoint.
 - "deepspeed": DeepSpeed's engine saves itself (`engine.save_checkpoint`), beside our state;
   DeepSpeed reads it back with the same degrees, and any other layout through `canonical_copy`
-  (DeepSpeed's universal checkpoint, read whole).
+  (DeepSpeed's universal checkpoint, read whole); DeepSpeed takes a canonical checkpoint whole
+  (`strategies.deepspeed.put_whole`). deepspeed-moe's (the library's module names) stay its own.
 
 A strategy says which (`Parallelized.checkpoint_names`); the names themselves are made in
 `strategies/state.py` (`checkpoint_state`), beside the code that gathers a strategy's whole weights.
@@ -319,13 +320,10 @@ def compatibility_problems(meta: dict, cfg) -> list[str]:
         if meta["config"]["strategy"] == "deepspeed-moe":
             return [f"it was saved by deepspeed-moe on grid {meta['grid']}, whose experts are DeepSpeed-MoE's "
                     "modules under the library's names: only deepspeed-moe with the same degrees reads it"]
-        if cfg.info.module in ("deepspeed", "deepspeed_moe"):
-            return [f"it was saved by {meta['config']['strategy']} on grid {meta['grid']}; DeepSpeed reads its "
-                    f"engine files with the same degrees only: resume with --strategy {meta['config']['strategy']} "
-                    "and the same degrees (any strategy of this package's own reads it under another layout)"]
-    if meta["names"] != "deepspeed" and cfg.info.module in ("deepspeed", "deepspeed_moe"):
-        return [f"{cfg.strategy} resumes from DeepSpeed's own engine files only, and this checkpoint was saved by "
-                f"{meta['config']['strategy']}: resume it with one of this package's strategies"]
+    if cfg.info.module == "deepspeed_moe" and not (meta["names"] == "deepspeed" and same_layout(meta, cfg)):
+        return [f"deepspeed-moe holds its experts as DeepSpeed-MoE's modules and reads only its own engine files, "
+                f"with the same degrees; this checkpoint was saved by {meta['config']['strategy']} on grid "
+                f"{meta['grid']}: continue it with ep-scratch, fsdp --ep or single"]
     return []
 
 
@@ -508,12 +506,15 @@ def load(path: str | Path, par, cfg, rt) -> dict:
         path = canonical_copy(path)
         meta = read_meta(path)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    if names == "deepspeed" and meta["names"] != "deepspeed":
-        raise CheckpointError(f"cannot continue from {path}: {cfg.strategy} loads DeepSpeed's engine files, and "
-                              f"this checkpoint holds {meta['names']} names (saved by {meta['config']['strategy']})")
+    # DeepSpeed from a canonical checkpoint: every whole tensor read on every rank, then handed to the engine
+    whole_for_deepspeed = names == "deepspeed" and meta["names"] == "canonical"
     state, how = ({}, {}) if names == "deepspeed" else checkpoint_targets(par, rt.rank)
+    if whole_for_deepspeed:
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()
+                 if k.startswith(("model.", "optimizer.")) and hasattr(m, "size")}
     for mine in state.values():  # where a local layout's pieces lie: written for other layouts, not read back
-        mine.pop("places", None)
+        if isinstance(mine, dict):
+            mine.pop("places", None)
     wholes = None
     if names == "local" and meta["names"] == "canonical":  # this rank's pieces, cut from the whole tensors
         pieces = _flat(how["state"])
@@ -531,7 +532,7 @@ def load(path: str | Path, par, cfg, rt) -> dict:
                               f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}, which this run "
                               f"({cfg.strategy}, grid {cfg.grid.as_dict()}) holds; it was saved by "
                               f"{meta['config']['strategy']} on grid {meta['grid']}")
-    if names == "deepspeed":
+    if names == "deepspeed" and not whole_for_deepspeed:
         loaded, _ = par.module.load_checkpoint(str(path), tag="engine", load_lr_scheduler_states=False)
         if loaded is None:
             raise CheckpointError(f"cannot continue from {path}: DeepSpeed found no engine state in it")
@@ -542,6 +543,10 @@ def load(path: str | Path, par, cfg, rt) -> dict:
                               f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
     if wholes is not None:
         fill_local(how["state"], how["places"], wholes)
+    elif whole_for_deepspeed:
+        from multigpu.strategies.deepspeed import put_whole
+
+        put_whole(par, state)
     elif names != "deepspeed":
         put_back_checkpoint_state(par, state, how)
     train = state["train"]

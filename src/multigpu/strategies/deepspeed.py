@@ -117,3 +117,48 @@ def prepare(model, cfg, rt) -> Parallelized:
     return Parallelized(module=engine, optimizer=optimizer.optimizer, model=model, backward=backward,
                         step=lambda: None, zero_grad=lambda: None, gather_state_dict=gather_state_dict,
                         checkpoint_names="deepspeed")
+
+
+def put_whole(par, wholes: dict) -> None:
+    """Load whole tensors under the single-device names (`model.<name>`, `optimizer.<name>.<key>`: a canonical
+    checkpoint, read on every rank) into DeepSpeed's engine: each parameter's value into the model (ZeRO-3:
+    gathered, set, partitioned again) and into the optimizer's fp32 partition, each optimizer state into its
+    partition (DeepSpeed's `safe_set_full_fp32_param` and `safe_set_full_optimizer_state`), and the step count
+    into every group's state. The optimizer's state is made first, as its first step would make it."""
+    import deepspeed
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    from multigpu.strategies.state import _make_optimizer_state
+
+    inner = par.optimizer  # the torch optimizer over DeepSpeed's fp32 partitions
+    zero = par.module.optimizer
+    if not any(inner.state.values()):  # made at the first step, as torch's optimizers do
+        flats = getattr(zero, "fp32_partitioned_groups_flat", None)
+        if flats is None:
+            _make_optimizer_state(inner)
+        else:  # ZeRO-3 hands the optimizer its fp32 sub-groups only while it steps
+            for i, flat in enumerate(flats):
+                inner.param_groups[zero.sub_group_to_group_id[i]]["params"].append(flat)
+            _make_optimizer_state(inner)
+            for group in inner.param_groups:
+                group["params"] = []
+    # ZeRO-1/2 point each parameter at its fragment of the optimizer's state once that state exists
+    getattr(zero, "_lazy_init_hp_params_optimizer_state", lambda: None)()
+    params = dict(par.model.named_parameters())  # a tied weight once, under its first name
+    for name, p in params.items():
+        value = wholes[f"model.{name}"].to(p.device)
+        if hasattr(p, "ds_id"):  # ZeRO-3: the model's own partition
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                p.data.copy_(value)
+        else:
+            p.data.copy_(value)
+        safe_set_full_fp32_param(p, value)
+        for key in {k.rsplit(".", 1)[1] for k in wholes if k.startswith(f"optimizer.{name}.")} - {"step"}:
+            safe_set_full_optimizer_state(p, wholes[f"optimizer.{name}.{key}"].to(p.device), key)
+    steps = {float(v) for k, v in wholes.items() if k.startswith("optimizer.") and k.endswith(".step")}
+    if len(steps) > 1:
+        raise ValueError(f"the checkpoint's parameters were stepped different numbers of times: {sorted(steps)}")
+    for state in inner.state.values():
+        if steps and "step" in state:
+            state["step"].fill_(next(iter(steps)))
+
