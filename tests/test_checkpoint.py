@@ -37,6 +37,7 @@ RESUMED = [
     ("fsdp", 4, {"model": "gpt-moe-tiny", "ep": 2}),
     ("zero1", 4, {}),
     ("deepspeed-zero2", 2, {}),
+    ("deepspeed-zero3", 2, {}),
     ("deepspeed-moe", 2, {"model": "gpt-moe-tiny"}),  # the engine saves each ep rank's experts in their own files
     # saved in the background: the state copied into reused host buffers, a DTensor's pieces with their placement
     ("single", 1, {"checkpoint_async": True}),
