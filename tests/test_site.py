@@ -304,15 +304,17 @@ def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path)
     for key in grid:
         by_strategy.setdefault(key.split("|")[1], []).append(key)
     keys = [k for s in calculator.STRATEGIES for k in rng.sample(sorted(by_strategy[s]), 4)]
+    longer = sorted(k for k in grid if int(k.split("|")[-1]) != calculator.SEQ_LEN)  # longer samples
+    keys += rng.sample(longer, 8)
     wrong = []
     for key in keys:
-        model, strategy, gpus, tp, dtype, checkpointing = key.split("|")
+        model, strategy, gpus, tp, dtype, checkpointing, seq = key.split("|")
         settings = {"model": model, "strategy": strategy, "gpus": int(gpus), "tp": int(tp), "dtype": dtype,
                     "checkpointing": checkpointing, "optimizer": rng.choice(calculator.OPTIMIZERS),
-                    "gpu": rng.choice([*sorted(GPUS), None])}
+                    "gpu": rng.choice([*sorted(GPUS), None]), "seq_len": int(seq)}
         setup = calculator.setup_of(models[model], strategy, int(gpus), int(tp), dtype,
                                     {"none": False, "full": True}.get(checkpointing, checkpointing),
-                                    settings["optimizer"], settings["gpu"] or "unnamed")
+                                    settings["optimizer"], settings["gpu"] or "unnamed", seq_len=int(seq))
         if isinstance(grid[key], str):
             with pytest.raises(ConfigError) as refused:
                 estimate(setup)
@@ -331,7 +333,7 @@ def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path)
             wrong.append((key, settings, off, page[0]["phase"], ours.phase, most and most.global_batch,
                           page[1] and page[1]["global_batch"]))
     assert not wrong
-    assert len(keys) == 4 * len(calculator.STRATEGIES)
+    assert len(keys) == 4 * len(calculator.STRATEGIES) + 8
 
 
 def test_the_calculator_responds_to_input(calculator_page):
@@ -364,3 +366,11 @@ def test_the_calculator_responds_to_input(calculator_page):
     page.fill('#multigpu-calculator input[name="memory"]', "80")
     assert int(page.get_attribute("#multigpu-calculator", "data-largest")) > at_16
     assert "falls at" in page.inner_text("#multigpu-calculator .mgc-said")
+    # a longer sample: ddp has none precomputed (the page says which strategies do); cp-scratch cuts it
+    page.select_option('#multigpu-calculator select[name="seq_len"]', "1024")
+    assert "precomputed for single, fsdp, cp-scratch" in page.inner_text("#multigpu-calculator .mgc-said")
+    page.select_option('#multigpu-calculator select[name="strategy"]', "cp-scratch")
+    expected = estimate(setup_of("gpt2", "cp-scratch", 2, 1, "fp32", False, "adamw", "a100-80gb", seq_len=1024),
+                        32).per_rank_bytes
+    assert shown() == {c: expected[c] for c in ("params", "activations", "total")}
+    assert "x cp 2" in page.inner_text("#multigpu-calculator .mgc-said")

@@ -15,9 +15,17 @@
 
   function entryOf(s) {
     const gpus = s.strategy === "single" ? 1 : s.gpus;
-    const tp = s.strategy === "fsdp" || s.strategy.startsWith("pp-") ? s.tp : 1;
-    const key = [s.model, s.strategy, gpus, tp, s.dtype, s.checkpointing].join("|");
-    return GRID.entries[key] || { error: "this setting is not in the calculator's grid" };
+    const seq = s.seq_len || GRID.seq_len;
+    const long = seq !== GRID.seq_len;
+    const tp = !long && (s.strategy === "fsdp" || s.strategy.startsWith("pp-")) ? s.tp : 1;
+    const key = [s.model, s.strategy, gpus, tp, s.dtype, s.checkpointing, seq].join("|");
+    if (GRID.entries[key]) return GRID.entries[key];
+    return {
+      error: long
+        ? `samples longer than ${GRID.seq_len} tokens are precomputed for ${GRID.long_strategies.join(", ")} ` +
+          "(tensor-parallel degree 1), on the GPT models whose position table holds them"
+        : "this setting is not in the calculator's grid",
+    };
   }
 
   // what the GPU holds beside the step's tensors: the CUDA context and the GPU's cuBLAS
@@ -62,7 +70,10 @@
     if (entry.error) return { error: entry.error };
     const step = entry.dp * entry.m;
     const b = Math.max(1, Math.floor(s.global_batch / step));
-    return { ...atBatch(entry, s.optimizer, b, overheadOf(s)), dp: entry.dp, pp: entry.pp, tp: entry.tp, m: entry.m };
+    return {
+      ...atBatch(entry, s.optimizer, b, overheadOf(s)), dp: entry.dp, pp: entry.pp, tp: entry.tp, cp: entry.cp,
+      m: entry.m,
+    };
   }
 
   // estimate.largest_batch: doubling, then bisection, over the per-rank batch
@@ -123,6 +134,7 @@
     dtype: select("dtype", GRID.dtypes.map((d) => [d, d]), "fp32"),
     optimizer: select("optimizer", GRID.optimizers.map((o) => [o, o]), "adamw"),
     checkpointing: select("checkpointing", GRID.recomputation.map((r) => [r, r]), "none"),
+    seq_len: select("seq_len", GRID.seq_lens.map((n) => [n, n]), GRID.seq_len),
     memory: number("memory", 32, 1),
     global_batch: number("global_batch", 8, 1),
   };
@@ -141,6 +153,7 @@
     field("model", inputs.model), field("strategy", inputs.strategy), field("GPUs", inputs.gpus),
     field("tensor-parallel degree (fsdp, pipelines)", inputs.tp), field("precision", inputs.dtype),
     field("optimizer", inputs.optimizer), field("activation recomputation", inputs.checkpointing),
+    field("tokens per sample", inputs.seq_len),
     field("GPU", gpuNames), field("memory per GPU, GiB", inputs.memory), field("global batch", inputs.global_batch));
   const bar = document.createElement("div");
   bar.className = "mgc-bar";
@@ -152,7 +165,9 @@
   made.className = "mgc-made";
   const by = GRID.made_by;
   made.textContent = `Precomputed by multigpu ${by.package} (commit ${by.commit || "unknown"}, torch ${by.torch}) ` +
-    `over ${Object.keys(GRID.entries).length} settings, ${GRID.seq_len} tokens per sample; a pipeline runs ` +
+    `over ${Object.keys(GRID.entries).length} settings, ${GRID.seq_len} tokens per sample (and ` +
+    `${GRID.seq_lens.filter((n) => n !== GRID.seq_len).join(" or ")} for ${GRID.long_strategies.join(", ")}); ` +
+    "cp-scratch cuts every sample over all the GPUs; a pipeline runs " +
     `${GRID.microbatches_per_stage} micro-batches per stage. It answers as ` +
     "`python -m multigpu estimate --gpu NAME --uncalibrated` does: a GPU's kernels, its cuBLAS workspaces and " +
     `a CUDA context of ${Math.round(GRID.cuda_context / 2 ** 20)} MiB (assumed) are counted, the allocator's ` +
@@ -164,6 +179,7 @@
       model: inputs.model.value, strategy: inputs.strategy.value, gpus: Number(inputs.gpus.value),
       tp: Number(inputs.tp.value), dtype: inputs.dtype.value, optimizer: inputs.optimizer.value,
       checkpointing: inputs.checkpointing.value, global_batch: Math.max(1, Number(inputs.global_batch.value) || 1),
+      seq_len: Number(inputs.seq_len.value),
       gpu: gpuNames.value || null,
     };
   }
@@ -208,7 +224,8 @@
     }
     const fit = largest(s, memory);
     const where = found.pipeline_rank === null ? "" : ` of pipeline rank ${found.pipeline_rank}`;
-    const grid = `dp ${found.dp} x pp ${found.pp} x tp ${found.tp}` + (found.m > 1 ? `, ${found.m} micro-batches` : "");
+    const grid = `dp ${found.dp} x pp ${found.pp} x tp ${found.tp}` + (found.cp > 1 ? ` x cp ${found.cp}` : "") +
+      (found.m > 1 ? `, ${found.m} micro-batches` : "");
     let most;
     if (fit === null) most = "not even one sample per rank fits";
     else if (fit.error) most = fit.error;

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -43,11 +44,17 @@ from multigpu.estimator.peak import (
 from multigpu.estimator.question import DEFAULT_CUDA_CONTEXT, GPUS, PIPELINES, Setup, cublas_workspace_bytes
 from multigpu.estimator.share import rank_shares
 from multigpu.memory import CATEGORIES
+from multigpu.models import max_seq_len
 from multigpu.recompute import recompute_mode
 from multigpu.records import CHECKOUT, _git_commit
 from multigpu.strategy_table import ESTIMATED
 
-SEQ_LEN = 256
+SEQ_LEN = 256  # tokens per sample of every setting
+# and longer samples, the question of context parallelism (what a longer sample costs each GPU, and what
+# cutting it over cp-scratch's ranks saves): for the GPT models whose position table holds them, with
+# these strategies alone (each length adds about a tenth to the grid and to its minutes of building)
+LONG_SEQ_LENS = (1024, 2048)
+LONG_STRATEGIES = ("single", "fsdp", "cp-scratch")
 # GPT-3's widths and depths (Brown et al. 2020, table 2.1; for 13b, 40 heads of 128 = 5120 where the table
 # prints 5140) beside the presets, as config files. The heads are the book's choice, not the table's:
 # gpt-1.3b has 32 here, the table's XL 24 (the choosing chapter's map uses the same shapes and says so)
@@ -55,10 +62,10 @@ GPT3_SHAPES = {"gpt-1.3b": (2048, 24, 32), "gpt-6.7b": (4096, 32, 32), "gpt-13b"
 PRESET_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "t5-large", "t5-3b", "gpt-moe-small")
 # every strategy the estimator models as itself (the strategy table's ESTIMATED) but
 # pp-interleaved, which the page has left out since it was made: its choices of schedule are
-# GPipe and 1F1B, and each strategy adds a tenth to the grid and to its minute of building; and
-# cp-scratch, whose question is the sequence's length, which the page does not ask (its sequence is
-# SEQ_LEN's). ep-scratch is the mixture of experts' (gpt-moe-small's), its experts over every rank
-STRATEGIES = tuple(s for s in ESTIMATED if s not in ("pp-interleaved", "cp-scratch"))
+# GPipe and 1F1B, and each strategy adds a tenth to the grid and to its minute of building.
+# ep-scratch is the mixture of experts' (gpt-moe-small's), its experts over every rank; cp-scratch
+# cuts every sample over every rank (cp = the GPUs)
+STRATEGIES = tuple(s for s in ESTIMATED if s != "pp-interleaved")
 GPU_COUNTS = (1, 2, 4, 8, 16)
 TP_DEGREES = (1, 2, 4, 8)  # with fsdp (2D) and the pipelines; strategy tp takes every GPU
 DTYPES = ("fp32", "bf16-mixed", "bf16-master")
@@ -87,13 +94,13 @@ def models(folder: Path) -> dict[str, str]:
 
 
 def setup_of(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool | str,
-             optimizer: str = "adamw", gpu: str | None = None) -> Setup:
+             optimizer: str = "adamw", gpu: str | None = None, seq_len: int = SEQ_LEN) -> Setup:
     """The page's setting as the estimator's question, as a GPU runs it (its kernels: `on_cuda`).
     With `gpu` (a name of GPUS), also what `estimate --gpu` adds for that GPU: the CUDA context
     (assumed at the command line's default) and its cuBLAS workspaces. The grid's entries leave
     both out and store them per GPU (`gpu_overhead`): the page adds those of the GPU chosen."""
     pipeline = strategy in PIPELINES
-    return Setup(model, strategy, gpus, seq_len=SEQ_LEN, dtype=dtype, optimizer=optimizer,
+    return Setup(model, strategy, gpus, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                  activation_checkpointing=checkpointing, tp=tp if strategy != "tp" else 1,
                  grad_accum_steps=MICROBATCHES_PER_STAGE * max(1, gpus // tp) if pipeline else 1,
                  on_cuda=True, cuda_context_bytes=DEFAULT_CUDA_CONTEXT if gpu else 0,
@@ -153,7 +160,7 @@ def entry(setup: Setup, label: str) -> dict:
                 raise NotLinear(f"{setup}: optimizer {name} changes the phases beyond its step's: {other_names}")
             optimizer[name].append(other_states["optimizer"])
             step[name].append(temporary)
-    return {"dp": d["dp"], "pp": d["pp"], "tp": d["tp"], "m": setup.grad_accum_steps,
+    return {"dp": d["dp"], "pp": d["pp"], "tp": d["tp"], "cp": d.get("cp", 1), "m": setup.grad_accum_steps,
             # the allocator's rounding, which counts the optimizer's copies of every parameter tensor
             "overhead": {name: _cuda_overheads(replace(setup, optimizer=name)) for name in OPTIMIZERS},
             "ranks": ranks, "optimizer": optimizer, "step": step}
@@ -162,8 +169,9 @@ def entry(setup: Setup, label: str) -> dict:
 RECOMPUTATION = ("none", "full", "selective")  # activation checkpointing's modes (multigpu.recompute)
 
 
-def key(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool | str) -> str:
-    return f"{model}|{strategy}|{gpus}|{tp}|{dtype}|{recompute_mode(checkpointing) or 'none'}"
+def key(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing: bool | str,
+        seq_len: int = SEQ_LEN) -> str:
+    return f"{model}|{strategy}|{gpus}|{tp}|{dtype}|{recompute_mode(checkpointing) or 'none'}|{seq_len}"
 
 
 def source_hash() -> str:
@@ -174,27 +182,46 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def grid() -> dict:
+def _entries(label: str, model: str, seq: int) -> dict:
+    """The grid's entries for one model at one length (a piece the grid's worker processes share out)."""
+    gpt = model_shape(model).family != "t5"
+    entries = {}
+    for strategy in STRATEGIES if seq == SEQ_LEN else LONG_STRATEGIES:
+        tps = TP_DEGREES if gpt and seq == SEQ_LEN and (strategy == "fsdp" or strategy in PIPELINES) else (1,)
+        for gpus in (1,) if strategy == "single" else GPU_COUNTS:
+            for tp in tps:
+                for dtype in DTYPES:
+                    for checkpointing in (False, True, "selective"):
+                        setup = setup_of(model, strategy, gpus, tp, dtype, checkpointing, seq_len=seq)
+                        entries[key(label, strategy, gpus, tp, dtype, checkpointing, seq)] = entry(setup, label)
+    return entries
+
+
+def grid(workers: int | None = None) -> dict:
+    """Every entry, computed by `workers` processes (default: one per core; the pieces are a model at a
+    length, taken in turn), in the same order whatever their number."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
     from multigpu.plots import COLORS  # the figures' colours for the categories
 
     with tempfile.TemporaryDirectory() as folder:
         named = models(Path(folder))
-        entries = {}
-        for label, model in named.items():
-            gpt = model_shape(model).family != "t5"
-            for strategy in STRATEGIES:
-                tps = TP_DEGREES if gpt and (strategy == "fsdp" or strategy in PIPELINES) else (1,)
-                for gpus in (1,) if strategy == "single" else GPU_COUNTS:
-                    for tp in tps:
-                        for dtype in DTYPES:
-                            for checkpointing in (False, True, "selective"):
-                                setup = setup_of(model, strategy, gpus, tp, dtype, checkpointing)
-                                entries[key(label, strategy, gpus, tp, dtype, checkpointing)] = entry(setup, label)
+        pieces = [(label, model, seq) for label, model in named.items() for seq in (SEQ_LEN, *LONG_SEQ_LENS)
+                  if seq == SEQ_LEN or (model_shape(model).family != "t5" and (max_seq_len(model) or 0) >= seq)]
+        workers = max(1, min(workers or os.cpu_count() or 1, len(pieces)))
+        if workers == 1:
+            found = [_entries(*piece) for piece in pieces]
+        else:  # spawned: a fresh interpreter each, not a fork of one that holds torch's threads
+            with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+                found = list(pool.map(_entries, *zip(*pieces)))
+        entries = {k: v for part in found for k, v in part.items()}
         parameters = {label: model_shape(model).parameters for label, model in named.items()}
     return {
         "made_by": {"package": multigpu.__version__, "commit": _git_commit() if CHECKOUT else None,
                     "source": source_hash(), "torch": torch.__version__},
-        "seq_len": SEQ_LEN, "microbatches_per_stage": MICROBATCHES_PER_STAGE,
+        "seq_len": SEQ_LEN, "seq_lens": [SEQ_LEN, *LONG_SEQ_LENS], "long_strategies": list(LONG_STRATEGIES),
+        "microbatches_per_stage": MICROBATCHES_PER_STAGE,
         "categories": list(CATEGORIES), "step_phase": STEP_PHASE,
         "colors": dict(COLORS), "models": parameters, "strategies": list(STRATEGIES),
         "gpus": list(GPU_COUNTS), "tp": list(TP_DEGREES), "dtypes": list(DTYPES), "optimizers": list(OPTIMIZERS),
