@@ -305,14 +305,15 @@ def _local_places(module: nn.Module, live: dict, params: list, mine: dict) -> di
 
 def fill_local(state: dict, places: dict, wholes: dict[str, torch.Tensor]) -> None:
     """Write this rank's pieces (`state`: model/params/optimizer, the live tensors or views of them) from
-    whole tensors under the single-device names (each piece from its first place: replicas agree)."""
+    whole tensors under the single-device names, from every place each piece has (a fused tensor's parts,
+    a flat shard's parameters; a tied weight's names hold the same values)."""
     from multigpu.checkpoint import _flat
 
     pieces = _flat(state)
     with torch.no_grad():
         for key, found in places.items():
             piece, (name, _, how) = pieces[key], found[0]
-            if how[0] == "scalar":
+            if how[0] == "scalar":  # a step count
                 piece.copy_(wholes[name])
             elif how[0] == "flat":
                 for whole_name, _, (_, src, dst, n) in found:
