@@ -25,7 +25,7 @@ How a strategy's state is named decides where it can be loaded again:
 - "deepspeed": DeepSpeed's engine saves itself (`engine.save_checkpoint`), beside our state;
   DeepSpeed reads it back with the same degrees, and any other layout through `canonical_copy`
   (DeepSpeed's universal checkpoint, read whole); DeepSpeed takes a canonical checkpoint whole
-  (`strategies.deepspeed.put_whole`). deepspeed-moe's (the library's module names) stay its own.
+  (`Parallelized.load_whole`: strategies.deepspeed.put_whole). deepspeed-moe's stay its own.
 
 A strategy says which (`Parallelized.checkpoint_names`); the names themselves are made in
 `strategies/state.py` (`checkpoint_state`), beside the code that gathers a strategy's whole weights.
@@ -39,11 +39,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -52,7 +49,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from multigpu.errors import ConfigError
+from multigpu.checkpoint_files import (  # noqa: F401 - the folder's names, read through this module too
+    FORMAT,
+    META,
+    CheckpointError,
+    _rank_of,
+    complete,
+    files_of,
+    flat_state,
+    read_meta,
+    resolve,
+    step_dir,
+)
+from multigpu.reshard import canonical_copy, whole, whole_weights  # noqa: F401 - read through this module too
 from multigpu.strategies.state import (
     checkpoint_state,
     checkpoint_targets,
@@ -61,46 +70,12 @@ from multigpu.strategies.state import (
     put_back_checkpoint_state,
 )
 
-FORMAT = 1
-META = "meta.json"
-_STEP = re.compile(r"step-(\d{8})")
 # where a save can be cut short: before anything is written; after the ranks' files (no meta.json);
 # after meta.json (not yet renamed); after the rename (complete). Tests kill a rank at each.
 SAVE_STAGES = ("start", "written", "described", "renamed")
 # what must match between the run that saved and the run that loads: the same model, trained on the same
 # data in the same order, by the same optimizer (the layout may differ where the names are canonical)
 SAME_RUN = ("model", "optimizer", "global_batch_size", "seq_len", "dataset", "num_samples", "seed")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used: what is wrong with it, and what to do instead."""
-
-
-def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
-
-
-def complete(root: str | Path) -> list[Path]:
-    """The finished checkpoints under `root`, oldest first (a `.partial` folder is a save cut short)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if _STEP.fullmatch(p.name) and (p / META).exists())
-
-
-def resolve(path: str | Path) -> Path:
-    """A checkpoint folder itself, or the newest complete one under a run's checkpoint folder."""
-    path = Path(path)
-    if (path / META).exists():
-        return path
-    found = complete(path)
-    if not found:
-        partial = sorted(path.glob("step-*")) if path.is_dir() else []
-        raise CheckpointError(
-            f"no complete checkpoint in {path}" + (f" (only {', '.join(p.name for p in partial)}, which lack {META}: "
-                                                    "saves cut short)" if partial else "")
-            + "; give a folder a run wrote with --checkpoint-dir, or one of its step-N folders")
-    return found[-1]
 
 
 def train_state(rank: int, steps_done: int, losses: list[float], scaler, device: torch.device) -> dict:
@@ -130,20 +105,6 @@ def _train_targets(rank: int, device: torch.device, saved: dict) -> dict:
 
 
 # -- saving ----------------------------------------------------------------------------------------------
-
-
-def _rank_of(name: str) -> int | None:
-    """Which rank wrote a checkpoint file: DCP's `__R_0.distcp`, DeepSpeed's `zero_pp_rank_R_...` (its
-    `mp_rank_00_model_states.pt` is rank 0's)."""
-    if m := re.match(r"__(\d+)_\d+\.distcp$", name) or re.match(r"(?:bf16_)?zero_pp_rank_(\d+)_", name):
-        return int(m[1])
-    return 0 if name.startswith("mp_rank_") else None
-
-
-def files_of(folder: Path) -> dict[str, int]:
-    """Every file of a checkpoint folder (but meta.json) and its size in bytes."""
-    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != META}
 
 
 class Checkpointer:
@@ -285,24 +246,6 @@ class _AlreadyStaged(AsyncStager):
 # -- loading ---------------------------------------------------------------------------------------------
 
 
-def read_meta(path: Path) -> dict:
-    """meta.json of a checkpoint folder, after checking that every file it lists is there, whole."""
-    try:
-        meta = json.loads((path / META).read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is not a complete checkpoint: its {META} cannot be read ({err}); "
-                              "use an earlier step-N folder, or start the run anew") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is in checkpoint format {meta.get('format')!r}; this package reads {FORMAT}")
-    wrong = [f"{name} ({'missing' if not (path / name).exists() else f'{(path / name).stat().st_size} bytes'}, "
-             f"written with {size})" for name, size in meta["files"].items()
-             if not (path / name).exists() or (path / name).stat().st_size != size]
-    if wrong:
-        raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(wrong)}. Nothing was loaded; resume from "
-                              f"an earlier step-N folder beside it")
-    return meta
-
-
 def compatibility_problems(meta: dict, cfg) -> list[str]:
     """Why a run with `cfg` cannot continue from a checkpoint described by `meta` (empty: it can)."""
     problems = [f"{k} {meta['same_run'][k]!r} (this run: {getattr(cfg, k)!r})" for k in SAME_RUN
@@ -331,165 +274,6 @@ def same_layout(meta: dict, cfg) -> bool:
     return meta["config"]["strategy"] == cfg.strategy and meta["grid"] == cfg.grid.as_dict()
 
 
-def whole(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """A canonical checkpoint's weights and optimizer state, whole, read in this process (no process group:
-    DCP's own conversion to one torch.save file), under flat names (`model.blocks.0.mlp.fc.weight`,
-    `optimizer.blocks.0.mlp.fc.weight.exp_avg`; not the run's own state, whose generators are each rank's),
-    and its meta.json."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    path = canonical_copy(path)
-    meta = read_meta(path)
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(path, Path(tmp, "whole.pt"))
-        state = torch.load(Path(tmp, "whole.pt"), weights_only=False)
-    return _flat({k: state[k] for k in ("model", "optimizer")}), meta
-
-
-def canonical_copy(path: str | Path) -> Path:
-    """A checkpoint under the single-device names: `path` itself when it is one; for a local layout's
-    (each rank's own pieces), a copy beside it (`step-N.canonical`, made once, in this process) whose
-    tensors are put together whole from every rank's pieces by where each says it lies (`places`,
-    strategies/state.py), every element of every tensor accounted for. DCP then reads it under any layout."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    path = resolve(path)
-    meta = read_meta(path)
-    if meta["names"] == "canonical":
-        return path
-    out = path.with_name(path.name + ".canonical")
-    if (out / META).exists():
-        read_meta(out)
-        return out
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(path, Path(tmp, "local.pt"))
-        state = torch.load(Path(tmp, "local.pt"), weights_only=False)
-        if meta["names"] == "deepspeed":
-            shapes, tied = _shapes_and_ties(meta["config"]["model"])
-            model, optimizer = _from_deepspeed(path, Path(tmp), shapes)
-            for names in tied:  # a tied weight (and its state) under each of its names
-                for found in (model, optimizer):
-                    held = [found[n] for n in names if n in found]
-                    for name in names:
-                        if held:
-                            found.setdefault(name, held[0])
-            return _write_canonical(out, meta, model, optimizer, state["train"], path)
-    wholes, covered = {}, {}
-    for rank_key in sorted(k for k in state if re.fullmatch(r"rank\d+", k)):
-        mine = state[rank_key]
-        pieces = _flat({k: v for k, v in mine.items() if k != "places"})
-        for key, found in json.loads(mine["places"]).items():
-            piece = pieces[key]
-            for name, shape, how in found:
-                whole = wholes.setdefault(name, torch.empty(shape, dtype=piece.dtype))
-                seen = covered.setdefault(name, torch.zeros(shape, dtype=torch.bool))
-                if how[0] == "scalar":
-                    whole.copy_(piece)
-                    seen.fill_(True)
-                elif how[0] == "flat":
-                    _, src, dst, n = how
-                    whole.view(-1)[dst:dst + n] = piece.reshape(-1)[src:src + n]
-                    seen.view(-1)[dst:dst + n] = True
-                else:
-                    block = tuple(slice(*b) for b in how[1])
-                    whole[block] = piece[tuple(slice(*b) for b in how[2])]
-                    seen[block] = True
-    holes = [name for name, seen in covered.items() if not seen.all()]
-    if holes:
-        raise CheckpointError(f"checkpoint {path}: no rank saved all of {', '.join(holes[:3])}"
-                              f"{f' and {len(holes) - 3} more' if len(holes) > 3 else ''}; it cannot be read "
-                              "under another layout")
-    model = {k[len("model."):]: v for k, v in wholes.items() if k.startswith("model.")}
-    optimizer: dict = {}
-    for k, v in wholes.items():
-        if k.startswith("optimizer."):
-            name, key = k[len("optimizer."):].rsplit(".", 1)
-            optimizer.setdefault(name, {})[key] = v
-    return _write_canonical(out, meta, model, optimizer, state["train"], path)
-
-
-def _write_canonical(out: Path, meta: dict, model: dict, optimizer: dict, train: dict, path: Path) -> Path:
-    """Save whole tensors as a canonical checkpoint at `out` (aside, then renamed), described as `path`'s copy."""
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save({"model": model, "optimizer": optimizer, "train": train}, checkpoint_id=partial, no_dist=True)
-    meta = {**meta, "names": "canonical", "files": files_of(partial),
-            "converted_from": {"strategy": meta["config"]["strategy"], "grid": meta["grid"], "path": str(path)}}
-    (partial / META).write_text(json.dumps(meta, indent=1))
-    os.replace(partial, out)
-    return out
-
-
-def _shapes_and_ties(model_name: str) -> tuple[dict[str, torch.Size], list[list[str]]]:
-    """Every tensor's shape in the model, and the names that share one tensor (GPT-2's embedding and
-    head): the model built on the meta device."""
-    from multigpu.models import build_model
-
-    with torch.device("meta"):
-        model = build_model(model_name)
-    names: dict[int, list[str]] = {}
-    shapes = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(t), []).append(name)
-        shapes[name] = t.shape
-    return shapes, [group for group in names.values() if len(group) > 1]
-
-
-def _from_deepspeed(path: Path, tmp: Path, shapes: dict[str, torch.Size]) -> tuple[dict, dict]:
-    """(weights, optimizer state) of DeepSpeed's engine files, whole, under the model's names: DeepSpeed's own
-    conversion to its universal checkpoint (`deepspeed.checkpoint.ds_to_universal`, one folder per parameter
-    holding its fp32 value, each optimizer state and the step count), read back."""
-    import subprocess
-    import sys
-
-    universal = tmp / "universal"
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(path / "engine"), "--output_folder", str(universal), "--num_extract_workers", "1",
-                           "--num_merge_workers", "1", "--inject_missing_state"],
-                          capture_output=True, text=True, env=env, timeout=1800)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise CheckpointError(f"DeepSpeed could not convert {path} to its universal checkpoint: {last}")
-    model, optimizer = {}, {}
-    # the step count: per parameter for ZeRO-1/2; for ZeRO-3 in the optimizer's common state, one per group
-    common = torch.load(universal / "zero" / "optimizer_state.pt", weights_only=False) \
-        if (universal / "zero" / "optimizer_state.pt").exists() else {}
-    steps = {float(s["step"]): s["step"] for s in common.get("optimizer_state_dict", {}).get("state", {}).values()
-             if "step" in s}
-    for folder in sorted((universal / "zero").iterdir()):
-        if not folder.is_dir():
-            continue
-        for file in folder.glob("*.pt"):
-            value = torch.load(file, weights_only=False)
-            value = value["param"] if isinstance(value, dict) else value
-            if value.dim() and folder.name in shapes:  # ZeRO-3's come flat
-                value = value.reshape(shapes[folder.name])
-            if file.stem == "fp32":
-                model[folder.name] = value
-            else:
-                optimizer.setdefault(folder.name, {})[file.stem] = value
-    for state in optimizer.values():
-        if "step" not in state and len(steps) == 1:
-            state["step"] = next(iter(steps.values())).clone()
-    return model, optimizer
-
-
-def whole_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """A canonical checkpoint's weights, whole, under the single-device names, and its meta.json."""
-    tensors, meta = whole(path)
-    return {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}, meta
-
-
-def _flat(state: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in state.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def load(path: str | Path, par, cfg, rt) -> dict:
     """Load a checkpoint into a prepared strategy; return the train state ({"steps_done", "losses"})."""
     path = resolve(path)
@@ -508,6 +292,8 @@ def load(path: str | Path, par, cfg, rt) -> dict:
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     # DeepSpeed from a canonical checkpoint: every whole tensor read on every rank, then handed to the engine
     whole_for_deepspeed = names == "deepspeed" and meta["names"] == "canonical"
+    if whole_for_deepspeed and par.load_whole is None:
+        raise CheckpointError(f"cannot continue from {path}: {cfg.strategy} reads only its own engine files")
     state, how = ({}, {}) if names == "deepspeed" else checkpoint_targets(par, rt.rank)
     if whole_for_deepspeed:
         state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()
@@ -517,12 +303,12 @@ def load(path: str | Path, par, cfg, rt) -> dict:
             mine.pop("places", None)
     wholes = None
     if names == "local" and meta["names"] == "canonical":  # this rank's pieces, cut from the whole tensors
-        pieces = _flat(how["state"])
+        pieces = flat_state(how["state"])
         wholes = {name: torch.empty(shape, dtype=pieces[key].dtype, device="cpu")
                   for key, found in how["places"].items() for name, shape, _ in found}
         state = dict(wholes)
     state["train"] = _train_targets(rt.rank, rt.device, saved)
-    wanted = list(_flat(state))
+    wanted = list(flat_state(state))
     missing = [k for k in wanted if k not in saved]
     if names == "local" and wholes is None:  # a rank's own pieces: every one it saved has a place now
         missing += [f"a place for {k}" for k in saved if k.startswith(f"rank{rt.rank}.") and k not in wanted
@@ -544,9 +330,7 @@ def load(path: str | Path, par, cfg, rt) -> dict:
     if wholes is not None:
         fill_local(how["state"], how["places"], wholes)
     elif whole_for_deepspeed:
-        from multigpu.strategies.deepspeed import put_whole
-
-        put_whole(par, state)
+        par.load_whole(state)
     elif names != "deepspeed":
         put_back_checkpoint_state(par, state, how)
     train = state["train"]

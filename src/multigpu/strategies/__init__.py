@@ -81,6 +81,8 @@ class Parallelized:
     # DTensor shards: loadable under any layout), "local" (its own pieces under each rank's keys: the same
     # layout only) or "deepspeed" (the engine saves itself)
     checkpoint_names: str = "canonical"
+    # "deepspeed": how the engine takes whole tensors under the single-device names (a canonical checkpoint)
+    load_whole: Callable[[dict], None] | None = None
 
     def __post_init__(self):
         self.zero_grad = self.zero_grad or (lambda: self.optimizer.zero_grad(set_to_none=True))

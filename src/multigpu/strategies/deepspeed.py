@@ -114,9 +114,11 @@ def prepare(model, cfg, rt) -> Parallelized:
             return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     # the torch optimizer inside DeepSpeed's: it holds the fp32 shards and their state
-    return Parallelized(module=engine, optimizer=optimizer.optimizer, model=model, backward=backward,
-                        step=lambda: None, zero_grad=lambda: None, gather_state_dict=gather_state_dict,
-                        checkpoint_names="deepspeed")
+    par = Parallelized(module=engine, optimizer=optimizer.optimizer, model=model, backward=backward,
+                       step=lambda: None, zero_grad=lambda: None, gather_state_dict=gather_state_dict,
+                       checkpoint_names="deepspeed")
+    par.load_whole = lambda wholes: put_whole(par, wholes)
+    return par
 
 
 def put_whole(par, wholes: dict) -> None:

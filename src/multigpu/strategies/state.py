@@ -307,9 +307,9 @@ def fill_local(state: dict, places: dict, wholes: dict[str, torch.Tensor]) -> No
     """Write this rank's pieces (`state`: model/params/optimizer, the live tensors or views of them) from
     whole tensors under the single-device names, from every place each piece has (a fused tensor's parts,
     a flat shard's parameters; a tied weight's names hold the same values)."""
-    from multigpu.checkpoint import _flat
+    from multigpu.checkpoint_files import flat_state
 
-    pieces = _flat(state)
+    pieces = flat_state(state)
     with torch.no_grad():
         for key, found in places.items():
             piece, (name, _, how) = pieces[key], found[0]
