@@ -51,10 +51,6 @@ from multigpu.strategies.deepspeed import import_deepspeed
 from multigpu.strategies.ep_scratch import _summed, defaults, expert_problems  # noqa: F401 - the config reads them
 
 
-def config_problems(cfg) -> list[str]:
-    return []  # expert_problems (every run) holds what a MoE and --ep need
-
-
 class SwiGLUExpert(nn.Module):
     """One expert of a Hugging Face Mixtral as a module of its own (DeepSpeed's layer copies one per
     local expert): rows e of the experts' stacked `gate_up_proj` (2 d_ff, d) and `down_proj` (d, d_ff)."""
