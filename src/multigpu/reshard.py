@@ -25,6 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from multigpu.checkpoint_files import META, CheckpointError, files_of, flat_state, read_meta, resolve
+from multigpu.strategies.state import place_views
 
 
 def whole(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -73,23 +74,19 @@ def canonical_copy(path: str | Path) -> Path:
     wholes, covered = {}, {}
     for rank_key in sorted(k for k in state if re.fullmatch(r"rank\d+", k)):
         mine = state[rank_key]
+        if "places" not in mine:
+            raise CheckpointError(f"checkpoint {path} was saved by an earlier version of this package, before "
+                                  "each rank wrote where its pieces lie: resume it with "
+                                  f"--strategy {meta['config']['strategy']} and the same degrees, and save it again")
         pieces = flat_state({k: v for k, v in mine.items() if k != "places"})
         for key, found in json.loads(mine["places"]).items():
-            piece = pieces[key]
+            piece = pieces[key].contiguous()
             for name, shape, how in found:
                 whole = wholes.setdefault(name, torch.empty(shape, dtype=piece.dtype))
                 seen = covered.setdefault(name, torch.zeros(shape, dtype=torch.bool))
-                if how[0] == "scalar":
-                    whole.copy_(piece)
-                    seen.fill_(True)
-                elif how[0] == "flat":
-                    _, src, dst, n = how
-                    whole.view(-1)[dst:dst + n] = piece.reshape(-1)[src:src + n]
-                    seen.view(-1)[dst:dst + n] = True
-                else:
-                    block = tuple(slice(*b) for b in how[1])
-                    whole[block] = piece[tuple(slice(*b) for b in how[2])]
-                    seen[block] = True
+                theirs, part = place_views(piece, whole, how)
+                part.copy_(theirs)
+                place_views(piece, seen, how)[1].fill_(True)
     holes = [name for name, seen in covered.items() if not seen.all()]
     if holes:
         raise CheckpointError(f"checkpoint {path}: no rank saved all of {', '.join(holes[:3])}"

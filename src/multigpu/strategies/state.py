@@ -303,6 +303,17 @@ def _local_places(module: nn.Module, live: dict, params: list, mine: dict) -> di
     return places
 
 
+def place_views(piece: torch.Tensor, whole: torch.Tensor, how: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the part of `piece`, the part of `whole`) that one place says are the same elements: views, so
+    that copying one into the other writes the piece (loading) or the whole (putting a checkpoint together)."""
+    if how[0] == "scalar":  # a step count
+        return piece, whole
+    if how[0] == "flat":
+        _, src, dst, n = how
+        return piece.view(-1)[src:src + n], whole.view(-1)[dst:dst + n]
+    return piece[tuple(slice(*b) for b in how[2])], whole[tuple(slice(*b) for b in how[1])]
+
+
 def fill_local(state: dict, places: dict, wholes: dict[str, torch.Tensor]) -> None:
     """Write this rank's pieces (`state`: model/params/optimizer, the live tensors or views of them) from
     whole tensors under the single-device names, from every place each piece has (a fused tensor's parts,
@@ -312,16 +323,9 @@ def fill_local(state: dict, places: dict, wholes: dict[str, torch.Tensor]) -> No
     pieces = flat_state(state)
     with torch.no_grad():
         for key, found in places.items():
-            piece, (name, _, how) = pieces[key], found[0]
-            if how[0] == "scalar":  # a step count
-                piece.copy_(wholes[name])
-            elif how[0] == "flat":
-                for whole_name, _, (_, src, dst, n) in found:
-                    piece.view(-1)[src:src + n].copy_(wholes[whole_name].reshape(-1)[dst:dst + n])
-            else:
-                for whole_name, _, (_, block, piece_block) in found:
-                    piece[tuple(slice(*b) for b in piece_block)].copy_(
-                        wholes[whole_name][tuple(slice(*b) for b in block)])
+            for name, _, how in found:
+                mine, theirs = place_views(pieces[key], wholes[name], how)
+                mine.copy_(theirs)
 
 
 def put_back_checkpoint_state(par, state: dict, how: dict) -> None:
