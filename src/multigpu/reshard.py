@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from multigpu.checkpoint_files import META, CheckpointError, files_of, flat_state, read_meta, resolve
-from multigpu.strategies.state import place_views
+from multigpu.strategies.state import place_views, tensor_names
 
 
 def whole(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -122,12 +122,8 @@ def _shapes_and_ties(model_name: str) -> tuple[dict[str, torch.Size], list[list[
 
     with torch.device("meta"):
         model = build_model(model_name)
-    names: dict[int, list[str]] = {}
-    shapes = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(t), []).append(name)
-        shapes[name] = t.shape
-    return shapes, [group for group in names.values() if len(group) > 1]
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    return shapes, [group for group in tensor_names(model).values() if len(group) > 1]
 
 
 def _from_deepspeed(path: Path, tmp: Path, shapes: dict[str, torch.Size]) -> tuple[dict, dict]:

@@ -267,11 +267,17 @@ def _blocks(t, rows: tuple[int, int] | None) -> list[tuple[list, list, list]]:
     return out
 
 
-def _local_places(module: nn.Module, live: dict, params: list, mine: dict) -> dict[str, list]:
-    """{key of this rank's state (model.<name>, params.<i>, optimizer.<i>.<key>): [place, ...]}."""
+def tensor_names(module: nn.Module) -> dict[int, list[str]]:
+    """id(tensor) -> every single-device name it has in `module`'s state dict (a tied weight has two)."""
     names: dict[int, list[str]] = {}
     for name, t in module.state_dict(keep_vars=True).items():
         names.setdefault(id(t), []).append(_canonical_name(module, name))
+    return names
+
+
+def _local_places(module: nn.Module, live: dict, params: list, mine: dict) -> dict[str, list]:
+    """{key of this rank's state (model.<name>, params.<i>, optimizer.<i>.<key>): [place, ...]}."""
+    names = tensor_names(module)
     rows = _rows_of_experts(module)
     places = {f"model.{k}": [[f"model.{_canonical_name(module, k)}", shape, ["block", block, piece]]
                              for shape, block, piece in _blocks(t, rows.get(id(t)))] for k, t in live.items()}
