@@ -48,7 +48,7 @@ class Kernel:
     size: float = 0.0
     bytes: float = 0.0
     dtype: str = "fp32"  # a product's: what its inputs are
-    launches: int = 1
+    launches: float = 1  # (a pipeline stage's share of them: a fraction)
 
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
