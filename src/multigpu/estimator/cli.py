@@ -256,3 +256,7 @@ def add_estimator_commands(sub) -> None:
                      "their full size on fake tensors (python -m multigpu dryrun) and print what they hold and send "
                      "beside the estimates")
     adv.set_defaults(func=cmd_advise)
+
+    from multigpu.estimator.predict import add_predict_command
+
+    add_predict_command(sub)
