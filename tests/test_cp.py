@@ -170,20 +170,42 @@ def test_the_fused_block_kernels_are_the_arithmetic(diagonal):
         assert (a - b).abs().max() < 1e-12
 
 
-def test_pytorchs_context_parallel_is_refused_off_cuda_with_the_reason():
-    """PyTorch's context_parallel replaces CUDA's attention kernels only: on the CPU every rank would
-    attend to its own tokens, silently wrong; the strategy says so and names the one that runs."""
+def test_pytorchs_context_parallel_raises_on_a_cpu(tmp_path):
+    """What the refusal rests on, against the library itself: PyTorch's context_parallel on one
+    gloo rank, a causal SDPA on the CPU inside it. The CPU's kernel is not among the ones it
+    replaces, and DTensor has no sharding rule for it: the first attention raises."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
+    assert all("_for_cpu" not in str(op) for op in torch_cp.custom_ops)
+    sdpa = F.scaled_dot_product_attention
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+        x = torch.randn(1, 2, 8, 4)  # batch x heads x tokens x head width
+        with pytest.raises(NotImplementedError, match="_scaled_dot_product_flash_attention_for_cpu"):
+            with context_parallel(mesh, buffers=[x], buffer_seq_dims=[2], no_restore_buffers={x}):
+                q = x.detach().requires_grad_()
+                F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert F.scaled_dot_product_attention is sdpa  # the context put attention back
+
+
+def test_pytorchs_context_parallel_is_refused_off_cuda_with_the_reason():
+    """The strategy refuses the CPU before any process starts, says why (the error above) and names
+    the one that runs."""
     from multigpu.launch import launch
 
-    assert all("_for_cpu" not in str(op) for op in torch_cp.custom_ops)  # what the refusal rests on
     for device in ("cpu", "auto"):  # this machine has no GPU: auto cannot fall back to the CPU either
         with pytest.raises(ConfigError) as info:
             launch(RunConfig(strategy="cp", world_size=2, device=device), progress=False)
         message = str(info.value)
-        assert "replaces only CUDA attention kernels" in message and "--strategy cp-scratch" in message, message
-        assert "this machine has 0" in message
+        assert "_scaled_dot_product_flash_attention_for_cpu" in message and "NotImplementedError" in message, message
+        assert "--strategy cp-scratch" in message and "this machine has 0" in message, message
     assert "not 'ulysses'" in refused(strategy="cp", world_size=2, extra={"cp_attention": "ulysses"})
 
 

@@ -122,9 +122,10 @@ STRATEGY_TABLE: dict[str, Strategy] = {
                    "activations: each rank holds its part of every sequence", zero_stage=None, spans="cp",
                    combines=("dp",), overlap="backward", fp16_refusal=_CP_FP16,
                    cuda_only="PyTorch's context_parallel replaces only CUDA attention kernels (flash, "
-                             "memory-efficient, cuDNN): on a CPU each rank would attend to its own tokens only; "
-                             "use --strategy cp-scratch, this package's context parallelism, which runs on any "
-                             "device"),
+                             "memory-efficient, cuDNN): on a CPU attention runs "
+                             "_scaled_dot_product_flash_attention_for_cpu, which DTensor has no sharding rule for, "
+                             "so the first attention raises NotImplementedError; use --strategy cp-scratch, this "
+                             "package's context parallelism, which runs on any device"),
     "ep-scratch": Strategy("ep_scratch", "expert parallel from scratch: a mixture of experts' experts cut over the "
                                        "data-parallel ranks (--ep of them share one copy), tokens sent to their "
                                        "experts and back by all-to-all; the rest data parallel (--ep 1: all of it)",

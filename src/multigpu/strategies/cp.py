@@ -2,13 +2,16 @@
 
 `torch.distributed.tensor.experimental.context_parallel(mesh, buffers=..., buffer_seq_dims=...)`
 is a context manager: it cuts the buffers given (here the batch's token ids, labels and
-positions) along the sequence in place, with the head-tail (zig-zag) layout, and inside it
-replaces `scaled_dot_product_attention` by a ring over the mesh's ranks, forward and backward.
-It replaces the attention kernels by name, CUDA's only (flash, memory-efficient, cuDNN; in
-torch/distributed/tensor/experimental/_context_parallel/_attention.py, `custom_ops`): on a CPU
-attention runs another kernel, which it would leave alone, each rank attending to its own tokens
-only. So the device plan refuses it off CUDA (the strategy table's `cuda_only`); `cp-scratch`
-is the same idea written here, on any device.
+positions) along the sequence in place, with the head-tail (zig-zag) layout, and inside it runs
+`scaled_dot_product_attention` in ring order over the mesh's ranks, forward and backward. By
+default it all-gathers each layer's keys and values once (`_cp_options.rotate_method` is
+ALL_GATHER); `set_rotate_method("alltoall")` passes them rank to rank instead, which this
+strategy sets for its ring (`ROTATION`). It replaces the attention kernels by name, CUDA's only
+(flash, memory-efficient, cuDNN; in torch/distributed/tensor/experimental/_context_parallel/
+_attention.py, `custom_ops`). On a CPU attention runs `_scaled_dot_product_flash_attention_for_cpu`
+on the sequence-sharded DTensors, and DTensor has no sharding rule for it: the first attention
+raises NotImplementedError (tests/test_cp.py holds this). So the device plan refuses it off CUDA
+(the strategy table's `cuda_only`); `cp-scratch` is the same idea written here, on any device.
 
 Each micro-batch's forward and backward run inside the context (Parallelized's
 `around_micro_batch`). As in cp-scratch, every rank holds the whole model, reports the whole
