@@ -10,8 +10,10 @@
   of product: the output projections (attention's and the MLP's, whose output only joins the
   residual sum), which it runs again. Their outputs would be kept for nothing but the residual
   stream, which the next LayerNorm keeps anyway, and under tensor parallelism they are whole-size
-  partial sums. torchtitan's "op" mode makes the same choice by counting (it keeps every matrix
-  product but every second one: torchtitan/models/llama3/infra/parallelize.py, `_save_list`); here
+  partial sums. torchtitan's "op" mode counts instead: it keeps every matrix product but every
+  second one of a block (torchtitan/distributed/activation_checkpoint.py, "Save all compute/comm ops,
+  except every second mm/linear"). In a GPT-2 block (qkv, out, fc, proj) those are the output
+  projections, the same choice; in a Llama block (q, k, v, o, w1, w3, w2) they are k, o and w3. Here
   the projections are named (`OUTPUT_PROJECTIONS`), so the FLOPs it runs again can be counted from
   the modules (`estimator.flops`): each block's projections but its last, which torch's early stop
   never reaches.

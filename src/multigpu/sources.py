@@ -106,11 +106,24 @@ LLAMA3_405B_INTERRUPTIONS = Interruptions(
     "checkpoints \"ranging from 1 MB to 4 GB per GPU\"; \"higher than 90% effective training time\")")
 
 
-# torchtitan's Llama 3 70B on 256 H100s with FSDP 32 x TP 8, as its benchmark table reports the peak memory per GPU
-# (without and with asynchronous TP); batch, sequence and recomputation are the benchmark's own settings
+# torchtitan's benchmarks of December 2024 (pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, run at
+# torchtitan 9dec370): H100s of 96 GB HBM2e (not the 80 GB card) at the default 500 W power limit, every table with
+# torch.compile, Float8 linears and full activation checkpointing
+TORCHTITAN_BENCHMARK = {"gpu": "H100", "gpu_memory_gb": 96, "power_w": 500,
+                        "settings": "torch.compile, Float8 linears and full activation checkpointing",
+                        "source": "pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (read at b5bcd76 "
+                                  "and 31a17bf)"}
+# its table 2: Llama 3.1 8B on 8 GPUs, FSDP x CP, one sequence per FSDP rank (local batch 1), the sequence growing
+# with cp; each row (fsdp, cp, sequence, tokens/s per GPU, memory GiB)
+TORCHTITAN_8B_CP = {"rows": ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0),
+                             (1, 8, 262144, 548, 84.5)),
+                    "source": TORCHTITAN_BENCHMARK["source"] + ", table 2: Llama 3.1 8B, FSDP + CP on 8 H100s"}
+# its table 4: Llama 3 70B on 256 GPUs with FSDP 32 x TP 8, the peak memory per GPU (without and with asynchronous
+# TP), 16 sequences per data-parallel rank (global batch 512); its tensor parallelism (torchtitan 9dec370,
+# parallelize_llama.py) is sequence parallel in the norms, with loss parallelism
 TORCHTITAN_70B_2D = {"gpus": 256, "fsdp": 32, "tp": 8, "peak_gib": 71.9, "peak_gib_async_tp": 67.6,
-                     "source": "pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (read at b5bcd76), "
-                               "table 4: Llama 3 70B, 2D on 256 H100s"}
+                     "local_batch": 16, "global_batch": 512, "sequence_parallel": True,
+                     "source": TORCHTITAN_BENCHMARK["source"] + ", table 4: Llama 3 70B, 2D on 256 H100s"}
 
 
 @dataclass(frozen=True)
@@ -136,8 +149,8 @@ PUBLISHED_MFU = (
     Achieved("LLaMA-2-7B, 3D parallel (picotron)", 0.38, "64 H100", "picotron README: \"38% MFU\""),
     Achieved("Llama 3.1 8B, FSDP (torchtitan)", 0.33, "8-128 H100", "torchtitan, Liang et al. 2024: \"33% to 39% MFU\" "
              "(the lower end)"),
-    Achieved("Llama 3 405B, TP8 PP16 DP128", 0.38, "16,384 H100", "Llama 3 Herd of Models, Table 4: 38-43% BF16 MFU "
-             "(the lower end)"),
+    Achieved("Llama 3 405B, TP8 PP16 DP128", 0.41, "16,384 H100", "Llama 3 Herd of Models, Table 4: 400 TFLOPs/GPU, "
+             "41% BF16 MFU on 16,384 GPUs (TP 8, CP 1, PP 16, DP 128; 8,192-token sequences)"),
     Achieved("530B, TP and sequence parallel, selective recomputation", 0.542, "2,240 A100",
              "Korthikanti et al. 2022: 54.2% (42.1% with full recomputation)"),
 )
@@ -150,13 +163,14 @@ class RecomputeTrade:
 
     what: str
     memory_saved: float | None
-    extra_compute: float | None
+    extra_compute: float | None  # the compute it adds, or the low end of a published range
     source: str
+    extra_compute_high: float | None = None  # the high end, where the source gives a range
 
 
 PUBLISHED_RECOMPUTATION = (
     RecomputeTrade("selective (attention's scores), GPT-3 175B", 0.70, 0.027,
                    "Ultra-Scale Playbook, after Korthikanti et al. 2022: \"activation memory -70% for +2.7% compute\""),
-    RecomputeTrade("full", None, 0.30, "Ultra-Scale Playbook: full recomputation costs \"30-40%\" more compute "
-                                       "(the lower end)"),
+    RecomputeTrade("full", None, 0.30, "Ultra-Scale Playbook: full recomputation costs \"30-40%\" more compute",
+                   extra_compute_high=0.40),
 )
