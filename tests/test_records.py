@@ -98,6 +98,18 @@ def test_machines_with_orders_gpus_first_then_by_device_count(results_dir):
     assert records.load("scaling", tag="cpu-2core-gloo") == [{"tag": "cpu-2core-gloo"}]
 
 
+def test_load_with_needs_reads_the_richest_machine_that_holds_them(results_dir):
+    """A machine whose `make figures` stopped early holds fewer runs: a figure that needs two
+    falls back to the next machine that has them, and says so when none has."""
+    write_records(results_dir / "8xH100-nccl" / "runs.jsonl", [{"n": 1}])
+    write_records(results_dir / "2xH100-nccl" / "runs.jsonl", [{"n": 1}, {"n": 2}])
+    write_records(results_dir / "cpu-2core-gloo" / "runs.jsonl", [{"n": 1}, {"n": 2}, {"n": 3}])
+    assert records.load("runs", needs=lambda runs: len(runs) >= 2) == [{"n": 1}, {"n": 2}]
+    assert records.load("runs", needs=lambda runs: True) == [{"n": 1}]  # the richest, as without
+    with pytest.raises(FileNotFoundError, match="hold the runs this figure needs"):
+        records.load("runs", needs=lambda runs: len(runs) > 3)
+
+
 def test_load_missing_experiment_says_how_to_make_it(results_dir):
     with pytest.raises(FileNotFoundError) as info:
         records.load("nonexistent")

@@ -190,8 +190,12 @@ def machines_with(experiment: str) -> list[str]:
     return sorted(tags, key=richness, reverse=True)
 
 
-def load(experiment: str, tag: str | None = None) -> list[dict]:
-    """Records of `experiment` from machine `tag`, or from the richest machine that has them."""
+def load(experiment: str, tag: str | None = None, needs=None) -> list[dict]:
+    """Records of `experiment` from machine `tag`, or from the richest machine that has them;
+    with `needs`, a test of a machine's records (e.g. that they hold the runs a figure compares),
+    the richest machine whose records pass it: a `make figures` that was stopped, or whose
+    runs failed, leaves a machine's file without them, and its figure is then drawn from the
+    next machine's."""
     if tag is None:
         tags = machines_with(experiment)
         if not tags:
@@ -199,7 +203,14 @@ def load(experiment: str, tag: str | None = None) -> list[dict]:
                 f"no records of experiment {experiment!r} under {RESULTS_DIR}; "
                 f"run `python -m multigpu figures --experiments {experiment}` to make them"
             )
-        tag = tags[0]
+        for tag in tags if needs is not None else tags[:1]:
+            runs = read_records(results_path(experiment, tag))
+            if needs is None or needs(runs):
+                return runs
+        raise FileNotFoundError(
+            f"no machine's records of experiment {experiment!r} under {RESULTS_DIR} hold the runs this "
+            f"figure needs ({', '.join(tags)} were read); run `python -m multigpu figures --experiments "
+            f"{experiment}` to make them")
     return read_records(results_path(experiment, tag))
 
 

@@ -42,13 +42,13 @@ from multigpu.plots.sharding import (
     zero_timeline,
 )
 from multigpu.plots.style import COLORS, PALETTE, STRATEGY_COLORS  # not style(), which would hide the module
-from multigpu.plots.values import figure_values, figure_values_html, show_values_in_notebooks
+from multigpu.plots.values import figure_values, figure_values_html, in_words, show_values_in_notebooks
 
 __all__ = ["COLORS", "DP_PHASES", "PALETTE", "STRATEGY_COLORS", "activations_by_sequence", "animation_html",
            "beside", "bubble_vs_formula", "buckets", "busiest_expert", "bytes_per_rank", "checkpoint_bytes_by_rank",
            "collective_bandwidth", "collective_grid", "comm_by_strategy", "comm_vs_rule", "dp_memory", "dp_phases",
            "dp_threads", "dropped_vs_capacity", "estimate_bars", "figure_values", "figure_values_html",
-           "load_histogram", "loss_curves", "matmul_sweep", "max_batch", "memory_growth", "memory_stacked",
+           "in_words", "load_histogram", "loss_curves", "matmul_sweep", "max_batch", "memory_growth", "memory_stacked",
            "mfu_bars", "model_states_vs_formula", "pipeline_timeline", "predicted_vs_measured", "rank_grid",
            "recompute_bars", "save_cost", "scaling", "show_values_in_notebooks", "staleness", "step_breakdown",
            "step_timelines", "tp_speedup_by_width", "zero_stages", "zero_timeline"]

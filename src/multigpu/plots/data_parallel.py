@@ -126,11 +126,17 @@ def dp_phases(phase_ms: dict, ddp_ms: dict, records, title="Where a step's time 
 
 
 def dp_memory(record, title="What each DP replica holds during a step"):
+    """Each replica's bytes by category, stacked; on GPUs (torch.nn.DataParallel, categories
+    None) each device's allocator peak, one bar that says it is not split."""
     fig, (ax,) = _figure([record])
     per = record["peak_memory_bytes_by_rank"]
     labels = ["primary (0)"] + [f"replica {i}" for i in range(1, len(per))]
-    _stacked_bars(ax, labels, {cat: [m[cat] / MiB for m in per] for cat in CATEGORIES},
-                  [COLORS[cat] for cat in CATEGORIES])
+    if any(m[cat] is None for m in per for cat in CATEGORIES):
+        _stacked_bars(ax, labels, {"allocator's peak (not split by category)": [m["total"] / MiB for m in per]},
+                      [DARK])
+    else:
+        _stacked_bars(ax, labels, {cat: [m[cat] / MiB for m in per] for cat in CATEGORIES},
+                      [COLORS[cat] for cat in CATEGORIES])
     ax.set_ylabel("MiB")
     ax.set_title(title)
     ax.legend(fontsize=8)

@@ -23,6 +23,13 @@ def _plain(text: str) -> str:
     return re.sub(r"[${}\\]", "", text).strip()
 
 
+def in_words(table, words: str):
+    """A chapter's table (a pandas DataFrame, rounded as it will show) with every cell that holds
+    no value (NaN, None: a run not made, a quantity not measured on this machine, a plan that
+    does not fit) written as `words`, which say why: a reader never sees NaN."""
+    return table.astype(object).where(table.notna(), words)
+
+
 def _number(value) -> str:
     value = float(value)
     if not math.isfinite(value):  # a bar or point with no measurement behind it
