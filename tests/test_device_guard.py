@@ -71,3 +71,19 @@ def test_every_worker_the_tests_start_is_guarded():
     record = launch(RunConfig(strategy="pp-1f1b-scratch", world_size=2, model="gpt-mini", grad_accum_steps=2,
                               steps=1, track_memory=False), progress=False)
     assert record["device_rule_checked"] is True
+
+
+def test_ring_attentions_backward_refuses_a_post_order_nccl_would_mix_up():
+    """One of the guard's blind spots (NCCL pairs point-to-point messages by order, not tag) has its own check:
+    ring attention's backward posts keys-and-values (0) and gradient shares (1) alternately, the last share alone,
+    and any other order raises at the post instead of crossing two rings of equal-shaped tensors."""
+    from multigpu.strategies.cp_attention import _PostOrder
+
+    order = _PostOrder(cp=3)
+    assert [order(t) for t in (0, 1, 0, 1, 1)] == [0, 1, 0, 1, 1]
+    order = _PostOrder(cp=3)
+    order(0)
+    with pytest.raises(RuntimeError, match=r"posted its messages as \[0, 0\].*must be \[0, 1, 0, 1, 1\]"):
+        order(0)  # a second KV before the first share: on NCCL the peer's share would land in the KV buffer
+    with pytest.raises(RuntimeError, match="must be"):
+        _PostOrder(cp=1)(0)  # a ring of one posts one share, home already

@@ -21,6 +21,19 @@ tensor moved to the CPU explicitly (`.cpu()`, `device="cpu"`): on a CPU run `.cp
 same tensor, so marking it would mark the rank's own device tensors; for the same reason a
 `x.to(device)` whose result is dropped unmarks `x`; and `torch.from_numpy` /`frombuffer`, which
 the function mode does not see.
+
+The guard checks this one rule. NCCL's other rules go unchecked on a CPU (review gpu-path-3, G19):
+- which CUDA device a thread other than the main one uses (a new thread's is device 0: DCP's
+  background writer, G13);
+- the rule's reverse: a library moving the package's host tensors onto the GPU (`DTensor.from_local`
+  moves a local tensor to its mesh's device, G12);
+- the order of point-to-point messages: NCCL matches them by order, not tag, so two exchanges of
+  tensors of one shape stay apart only by being posted in the same order on every rank (ring
+  attention's backward checks its own order at post time, `cp_attention._PostOrder`);
+- where object collectives put their buffers (`all_gather_object` and DCP's plans go through the
+  GPU under NCCL, so a large pickled object lands on every rank's device);
+- NCCL's table of dtypes and ops (no int16; a bool SUM is a MAX; AVG and PREMUL_SUM): the guard
+  sees dtypes and ops the same on both backends.
 """
 
 from __future__ import annotations

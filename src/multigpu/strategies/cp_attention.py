@@ -160,10 +160,30 @@ def _recorded(action: str, source: int):
     EVENTS.append({"action": action, "stage": 0, "micro": source, "start": start, "end": time.perf_counter()})
 
 
+class _PostOrder:
+    """The order backward posts its two rings' messages in, checked at each post: keys and values
+    (tag 0) and their gradients' shares (tag 1) alternate, KV first, and the last share goes alone.
+    The tags keep the rings apart on backends that match messages by tag (gloo); NCCL matches them
+    by order, and the two rings' tensors have one shape, so there only this order, the same on every
+    rank, keeps a rank from receiving gradients as keys: a change that made it depend on the rank
+    would give wrong results without an error."""
+
+    def __init__(self, cp: int):
+        self.expected, self.posted = [0, 1] * (cp - 1) + [1], []
+
+    def __call__(self, tag: int) -> int:
+        self.posted.append(tag)
+        if self.posted != self.expected[:len(self.posted)]:
+            raise RuntimeError(f"ring attention's backward posted its messages as {self.posted} (0: keys and "
+                               f"values, 1: their gradients); NCCL pairs them by order, which must be "
+                               f"{self.expected} on every rank")
+        return tag
+
+
 def _exchange(send: torch.Tensor, group, tag: int):
     """Send `send` to the next rank of the ring and receive the previous rank's into a new
-    tensor; returns (work handles, the receive buffer). The tag keeps the two rings of backward
-    (keys and values; their gradients) apart on backends that match messages by tag."""
+    tensor; returns (work handles, the receive buffer). The tag keeps backward's two rings apart
+    on gloo; on NCCL their order does (_PostOrder)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     if cp == 1:  # a ring of one: the message is home already (gloo cannot send to itself)
         return [], send
@@ -219,10 +239,11 @@ class RingAttention(torch.autograd.Function):
         dqs = [torch.zeros_like(c) for c in qs]
         kv = torch.stack([k, v]).contiguous()
         dkv_works, dkv = None, None
+        order = _PostOrder(cp)
         for step in range(cp):
             source = (rank - step) % cp
             if step < cp - 1:
-                works, incoming = _exchange(kv, group, tag=0)
+                works, incoming = _exchange(kv, group, tag=order(0))
             ks, vs = _chunks(kv[0], n), _chunks(kv[1], n)
             part = torch.zeros_like(kv)  # this rank's share of source's key and value gradients
             dks, dvs = part[0].chunk(n, dim=-2), part[1].chunk(n, dim=-2)  # views: += fills part
@@ -236,7 +257,7 @@ class RingAttention(torch.autograd.Function):
             if dkv_works is not None:  # the shares of the ranks before, for the same source
                 _wait(dkv_works)
                 part += dkv
-            dkv_works, dkv = _exchange(part, group, tag=1)  # on to the next rank; home after cp sends
+            dkv_works, dkv = _exchange(part, group, tag=order(1))  # on to the next rank; home after cp sends
             if step < cp - 1:
                 _wait(works)
                 kv = incoming
