@@ -247,3 +247,13 @@ def test_the_estimator_refuses_a_mixture_of_experts_under_tp_pp_or_cp_with_the_r
             estimate(Setup("gpt-moe-small", world_size=4, **options))
     with pytest.raises(ConfigError, match="not pp-1f1b"):
         estimate(Setup("gpt-moe-small", "pp-1f1b", 4, grad_accum_steps=4))
+
+
+@pytest.mark.slow
+def test_deepspeed_moes_gate_scores_in_fp32_under_bf16_autocast():
+    """strategies/deepspeed_moe.py says DeepSpeed's gate computes in fp32 as moe.MoE's router does: under
+    bf16-mixed's autocast its scores, choices and counts are the fp32 ones exactly, where DeepSpeed's own forward
+    (which casts to fp32 but leaves autocast on) computes the product in bf16 (gpu-path-3, section 4)."""
+    found = run_spmd("spmd.moe_gate_checks:gate_under_autocast", 1)[0]
+    assert found["library"] > 1e-4, found  # bf16's rounding shows: the check can tell
+    assert found["package"] == 0, found

@@ -2,7 +2,9 @@
 of every MoE layer, trained by DeepSpeed's engine (Rajbhandari et al. 2022).
 
 The same model as `ep-scratch` trains (moe.py's presets): each layer's router becomes DeepSpeed's
-gate (`wg`, a linear layer without bias, computed in fp32 as ours is), and expert e's rows of the
+gate (`wg`, a linear layer without bias, computed in fp32 outside autocast as ours is: DeepSpeed
+casts its input and weight to fp32, but under bf16-mixed the engine's autocast would still run the
+product in bf16, so the gate runs with autocast off, `_outside_autocast`), and expert e's rows of the
 stacked weights become the e-th expert of the ep rank that holds it (a copy of moe.MLP each:
 DeepSpeed deep-copies the module it is given once per local expert). DeepSpeed then does all of
 ep-scratch's steps itself:
@@ -107,8 +109,10 @@ class LibraryMoE(moe.MoE):
             capacity_factor=factor, eval_capacity_factor=factor, min_capacity=0,
             drop_tokens=self.capacity_factor is not None, use_rts=False, top2_2nd_expert_sampling=False)
         held = E // ep
+        gate = self.library.deepspeed_moe.gate
+        gate.forward = _outside_autocast(gate.forward)  # on the instance: the names in its state stay
         with torch.no_grad():
-            self.library.deepspeed_moe.gate.wg.weight.copy_(router)
+            gate.wg.weight.copy_(router)
             for j, expert in enumerate(self.library.deepspeed_moe.experts.deepspeed_experts):
                 params = dict(expert.named_parameters())
                 for name, value in rows(ep_rank * held + j).items():
@@ -160,6 +164,16 @@ class LibraryMoE(moe.MoE):
                 dist.all_gather(parts, rows, group=group)
             out[name] = torch.cat(parts)
         return out
+
+
+def _outside_autocast(forward):
+    """A gate's forward with autocast off: its fp32 product stays fp32 under bf16-mixed, as moe.MoE's
+    router's does (in bf16 the scores tie, and which expert a tie goes to depends on the batch's shape)."""
+    def run(x, *args, **kwargs):
+        with torch.autocast(x.device.type, enabled=False):
+            return forward(x, *args, **kwargs)
+
+    return run
 
 
 def swap_layers(model: nn.Module, ep: int, ep_rank: int, deepspeed) -> list[LibraryMoE]:
