@@ -2,9 +2,12 @@
 each rank under the causal mask, and the bytes each way of moving keys and values sends: the
 arithmetic of context parallelism, apart from the attention that runs on it (cp_attention).
 
-The sequence is cut into chunks: `contiguous` gives rank r chunk r of cp; `zigzag` (head-tail;
-Brandon et al. 2023, Striped Attention, and Megatron's / torchtitan's load balancer) cuts it
-into 2cp chunks and gives rank r chunks r and 2cp-1-r.
+The sequence is cut into chunks: `contiguous` gives rank r chunk r of cp; `zigzag` (head-tail:
+Megatron-LM's layout, megatron/core/models/common/embeddings/rope_utils.py, and PyTorch's
+`_HeadTailLoadBalancer`, which torchtitan uses) cuts it into 2cp chunks and gives rank r chunks r
+and 2cp-1-r. Brandon et al. 2023 (Striped Attention, https://arxiv.org/abs/2311.09431) showed the
+causal imbalance of contiguous chunks and balance it another way, not built here: stripes, token i
+on rank i mod cp.
 """
 
 from __future__ import annotations
