@@ -8,8 +8,8 @@ A checkpoint is a folder `DIR/step-00000010` holding everything the next step de
 - the data position (steps done: the sampler's order is a function of the seed, the epoch
   and the global batch, so the steps done say where the data stand), every rank's random
   number generators, fp16's loss scale, and the losses so far;
-- `meta.json`: the run's config and grid, how the tensors are named, and every rank's file
-  with its size, written last.
+- `meta.json`: the run's config and grid, how the tensors are named, its model known by content
+  (`checkpoint_guard.model_identity`), and every rank's file with its size and checksum, written last.
 
 How a strategy's state is named decides where it can be loaded again:
 
@@ -32,7 +32,8 @@ A strategy says which (`Parallelized.checkpoint_names`); the names themselves ar
 
 A save writes into `step-N.partial` and renames it to `step-N` only when every rank's file
 and `meta.json` are there: a run killed during a save leaves the previous checkpoint whole,
-and a folder without `meta.json`, or whose files are missing or short, is refused by name.
+and a folder without `meta.json`, or whose files are missing, short or changed (their checksums), is refused
+by name (before any worker starts: multigpu.checkpoint_guard, which the launcher calls).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import json
 import os
 import shutil
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -54,12 +56,23 @@ from multigpu.checkpoint_files import (  # noqa: F401 - the folder's names, read
     META,
     CheckpointError,
     _rank_of,
+    checksum,
     complete,
+    damaged,
     files_of,
     flat_state,
+    owner,
     read_meta,
     resolve,
     step_dir,
+    verify,
+)
+from multigpu.checkpoint_guard import (  # noqa: F401 - read through this module too
+    SAME_RUN,
+    compatibility_problems,
+    model_identity,
+    needs_canonical_copy,
+    same_layout,
 )
 from multigpu.reshard import canonical_copy, whole, whole_weights  # noqa: F401 - read through this module too
 from multigpu.strategies.state import (
@@ -73,9 +86,6 @@ from multigpu.strategies.state import (
 # where a save can be cut short: before anything is written; after the ranks' files (no meta.json);
 # after meta.json (not yet renamed); after the rename (complete). Tests kill a rank at each.
 SAVE_STAGES = ("start", "written", "described", "renamed")
-# what must match between the run that saved and the run that loads: the same model, trained on the same
-# data in the same order, by the same optimizer (the layout may differ where the names are canonical)
-SAME_RUN = ("model", "optimizer", "global_batch_size", "seq_len", "dataset", "num_samples", "seed")
 
 
 def train_state(rank: int, steps_done: int, losses: list[float], scaler, device: torch.device) -> dict:
@@ -120,6 +130,7 @@ class Checkpointer:
         # training's, and DCP exchanges its plans as Python objects, which gloo carries on any device
         self.group = dist.new_group(backend="gloo")
         self.buffers: dict[str, torch.Tensor] = {}  # async: the host copies of the state, made once, reused
+        self.staged: dict[str, DTensor] = {}  # async: a DTensor's spec around its host buffer, made once
         self.pending: tuple | None = None  # (step, folder, future, start, staging_s) of a save in flight
         self.saves: list[dict] = []  # what each save cost: for the record
 
@@ -144,7 +155,11 @@ class Checkpointer:
             state = checkpoint_state(self.par, self.rt.rank)[0]
         state["train"] = train_state(self.rt.rank, steps_done, losses, self.par.scaler, self.rt.device)
         if self.cfg.checkpoint_async:
-            future = dcp.async_save(self._staged(state), checkpoint_id=folder, process_group=self.group,
+            # the writer thread gets host tensors only, and a writer that makes no CUDA call for them: DCP's
+            # default copies ahead on the thread's current CUDA stream, and a new thread's device is GPU 0
+            # on every rank (torch's FileSystemWriter.stage sets the same 0, for its own stager)
+            writer = dcp.FileSystemWriter(folder, per_thread_copy_ahead=0)
+            future = dcp.async_save(self._staged(state), storage_writer=writer, process_group=self.group,
                                     async_stager=_AlreadyStaged())
             self.pending = (steps_done, folder, future, start, time.perf_counter() - start)
         else:
@@ -166,11 +181,17 @@ class Checkpointer:
         dist.barrier(group=self.group)  # every rank's files are written
         final = step_dir(self.root, steps_done)
         files = files_of(folder)
+        # each rank checksums the files it wrote (still in its page cache), rank 0 the others (DCP's index)
+        sums: list = [None] * self.rt.world_size
+        dist.all_gather_object(sums, {name: checksum(folder / name) for name in files
+                                      if owner(name, self.rt.world_size) == self.rt.rank}, group=self.group)
         if self.rt.rank == 0:
             meta = {"format": FORMAT, "steps_done": steps_done, "names": self.par.checkpoint_names,
                     "config": self.cfg.to_dict(), "grid": self.cfg.grid.as_dict(), "world_size": self.rt.world_size,
                     "same_run": {k: getattr(self.cfg, k) for k in SAME_RUN},
-                    "files": files, "saved_unix": time.time()}
+                    "model_identity": model_identity(self.cfg.model), "files": files,
+                    "checksums": {name: digest for part in sums for name, digest in part.items()},
+                    "saved_unix": time.time()}
             with open(folder / META, "w") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
@@ -204,8 +225,10 @@ class Checkpointer:
     def _staged(self, state: dict, prefix: str = "") -> dict:
         """A private host copy of `state` for the background write, while training changes the original:
         every tensor copied into a host buffer made at the first save and reused at every later one (on a
-        GPU page-locked, so that the copy runs at the link's speed); a DTensor keeps its mesh and placement
-        around its copy, so that the checkpoint still says where each piece lies in the whole tensor."""
+        GPU page-locked, so that the copy runs at the link's speed). A DTensor keeps its spec (mesh, placement,
+        where its piece lies in the whole tensor) around the buffer itself, as torch's own stager builds it
+        (`_state_dict_utils._create_cpu_state_dict`): DTensor.from_local would move the buffer back onto the
+        mesh's device, a second GPU copy of the state."""
         out = {}
         for key, value in state.items():
             name = f"{prefix}{key}"
@@ -220,9 +243,15 @@ class Checkpointer:
             if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
                 buffer = self.buffers[name] = torch.empty(local.shape, dtype=local.dtype, device="cpu",
                                                           pin_memory=local.is_cuda)
+                self.staged.pop(name, None)
             buffer.copy_(local.detach(), non_blocking=local.is_cuda)
-            out[key] = buffer if not isinstance(value, DTensor) else DTensor.from_local(
-                buffer, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+            if isinstance(value, DTensor):
+                staged = self.staged.get(name)
+                if staged is None or staged._spec != value._spec:
+                    staged = self.staged[name] = DTensor(buffer, value._spec, requires_grad=False)
+                out[key] = staged
+            else:
+                out[key] = buffer
         if not prefix and self.rt.device.type == "cuda":
             torch.cuda.synchronize(self.rt.device)  # every copy landed before the writer reads the buffers
         return out
@@ -231,6 +260,7 @@ class Checkpointer:
         """Finish the last save; free the host buffers."""
         self.finish()
         self.buffers.clear()
+        self.staged.clear()
 
 
 class _AlreadyStaged(AsyncStager):
@@ -246,50 +276,31 @@ class _AlreadyStaged(AsyncStager):
 # -- loading ---------------------------------------------------------------------------------------------
 
 
-def compatibility_problems(meta: dict, cfg) -> list[str]:
-    """Why a run with `cfg` cannot continue from a checkpoint described by `meta` (empty: it can)."""
-    problems = [f"{k} {meta['same_run'][k]!r} (this run: {getattr(cfg, k)!r})" for k in SAME_RUN
-                if meta["same_run"][k] != getattr(cfg, k)]
-    if problems:
-        hint = "" if "num_samples" not in str(problems) else (
-            " (the data set is global_batch_size x steps samples unless dataset_size is given: give both runs "
-            "the same --dataset-size to train a saved run for more steps)")
-        return [f"it was saved by a run with {', '.join(problems)}: the weights or the data would not continue{hint}"]
-    if meta["steps_done"] > cfg.steps or (meta["steps_done"] == cfg.steps and not cfg.checkpoint_dir):
-        return [f"it holds {meta['steps_done']} steps done and this run asks for steps={cfg.steps}: nothing to "
-                f"train; give more steps than {meta['steps_done']} (or as many, with a checkpoint_dir, to save it "
-                "again under this run's layout)"]
-    if meta["names"] == "deepspeed" and not same_layout(meta, cfg):
-        if meta["config"]["strategy"] == "deepspeed-moe":
-            return [f"it was saved by deepspeed-moe on grid {meta['grid']}, whose experts are DeepSpeed-MoE's "
-                    "modules under the library's names: only deepspeed-moe with the same degrees reads it"]
-    if cfg.info.module == "deepspeed_moe" and not (meta["names"] == "deepspeed" and same_layout(meta, cfg)):
-        return [f"deepspeed-moe holds its experts as DeepSpeed-MoE's modules and reads only its own engine files, "
-                f"with the same degrees; this checkpoint was saved by {meta['config']['strategy']} on grid "
-                f"{meta['grid']}: continue it with ep-scratch, fsdp --ep or single"]
-    return []
-
-
-def same_layout(meta: dict, cfg) -> bool:
-    return meta["config"]["strategy"] == cfg.strategy and meta["grid"] == cfg.grid.as_dict()
-
-
 def load(path: str | Path, par, cfg, rt) -> dict:
-    """Load a checkpoint into a prepared strategy; return the train state ({"steps_done", "losses"})."""
+    """Load a checkpoint into a prepared strategy; return the train state: "steps_done", "losses" (the saved
+    run's record), "rank_losses" (this rank's, which its training goes on from), where it came from."""
     path = resolve(path)
     meta = read_meta(path)
     problems = compatibility_problems(meta, cfg)
     if problems:
         raise CheckpointError(f"cannot continue from {path}: " + "; ".join(problems))
     names = par.checkpoint_names
-    if meta["names"] in ("local", "deepspeed") and not (names == meta["names"] and same_layout(meta, cfg)):
-        # another layout reads a local one (or DeepSpeed's) through its canonical copy, made once by rank 0
+    layout_kept = names == meta["names"] and same_layout(meta, cfg)
+    if meta["names"] in ("local", "deepspeed") and not layout_kept:
+        # another layout reads a local one (or DeepSpeed's) through its canonical copy: the launcher made it
+        # before the workers started (checkpoint_guard); where it did not, rank 0 makes it while the others
+        # wait on a gloo group with a timeout of hours (a conversion can outlast NCCL's 300 s), then only read it
+        group = dist.new_group(backend="gloo", timeout=timedelta(hours=2))
         if rt.rank == 0:
             canonical_copy(path)
-        dist.barrier()
-        path = canonical_copy(path)
+        dist.barrier(group=group)
+        dist.destroy_process_group(group)
+        path = canonical_copy(path, make=False)
         meta = read_meta(path)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    try:
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise damaged(path, f".metadata cannot be read ({type(err).__name__})") from None
     # DeepSpeed from a canonical checkpoint: every whole tensor read on every rank, then handed to the engine
     whole_for_deepspeed = names == "deepspeed" and meta["names"] == "canonical"
     if whole_for_deepspeed and par.load_whole is None:
@@ -324,9 +335,9 @@ def load(path: str | Path, par, cfg, rt) -> dict:
             raise CheckpointError(f"cannot continue from {path}: DeepSpeed found no engine state in it")
     try:
         dcp.load(state, checkpoint_id=path, process_group=dist.group.WORLD)
-    except Exception as err:
-        raise CheckpointError(f"could not read checkpoint {path}: {type(err).__name__}: "
-                              f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
+    except Exception as err:  # a file damaged at its size in a checkpoint saved before checksums
+        first = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
+        raise damaged(path, f"DCP could not read it ({type(err).__name__}: {first})") from err
     if wholes is not None:
         fill_local(how["state"], how["places"], wholes)
     elif whole_for_deepspeed:
@@ -344,8 +355,12 @@ def load(path: str | Path, par, cfg, rt) -> dict:
         par.scaler.scaler.load_state_dict(scaler["scaler"])
         par.scaler.scale_by_step[:] = scaler["loss_scale_by_step"]
         par.scaler.skipped_steps[:] = scaler["skipped_steps"]
-    saved_losses = [v for k, v in train.items() if k.startswith("losses_rank")]
-    # this rank's own; under another layout (a rank the saving run did not have), the mean of the saving ranks'
-    losses = train.get(f"losses_rank{rt.rank}", torch.stack(saved_losses).mean(0) if saved_losses else None)
-    return {"steps_done": int(train["steps_done"]), "losses": losses.tolist(), "path": str(path),
-            "names": meta["names"], "saved_by": {"strategy": meta["config"]["strategy"], "grid": meta["grid"]}}
+    by_rank = {int(k[len("losses_rank"):]): v.tolist() for k, v in train.items() if k.startswith("losses_rank")}
+    # the saved run's losses as its record has them: the mean over all its ranks (worker.build_record)
+    ranks = [by_rank[r] for r in sorted(by_rank)]
+    run_losses = [sum(r[s] for r in ranks) / len(ranks) for s in range(len(ranks[0]))]
+    return {"steps_done": int(train["steps_done"]), "losses": run_losses, "path": str(path), "names": meta["names"],
+            "saved_by": {"strategy": meta["config"]["strategy"], "grid": meta["grid"]},
+            # this rank's own, under the same layout (a rank's loss averages its own samples); under another,
+            # the saved run's, so that the new record's restored steps are the saved record's
+            "rank_losses": by_rank[rt.rank] if layout_kept else list(run_losses)}

@@ -31,6 +31,7 @@ from pathlib import Path
 from multigpu.config import ConfigError, RunConfig
 from multigpu.estimator import fits
 from multigpu.progress import PROGRESS_MARK, progress_view
+from multigpu.watchdog import start_watchdog
 
 _SRC = str(Path(__file__).resolve().parents[1])
 _announced: set[str] = set()
@@ -165,6 +166,9 @@ def launch(
         import importlib
 
         why = importlib.import_module(f"multigpu.strategies.{cfg.info.module}").launch_note(cfg, device)
+    from multigpu.checkpoint_guard import before_launch
+
+    before_launch(cfg, node_rank)  # the checkpoint resumed is whole (and converted); the folder saved into writable
     _say_once(f"multigpu: using {why}")
 
     if rdzv_endpoint is not None:
@@ -199,8 +203,11 @@ def launch_series(cfgs: list[RunConfig], *, timeout_s: float = 900, params_dir: 
 
     if not cfgs:
         return []
+    from multigpu.checkpoint_guard import before_launch
+
     for cfg in cfgs:
         cfg.validate()
+        before_launch(cfg)
     plans = {(cfg.processes, device_plan(cfg).device) for cfg in cfgs}
     if len(plans) > 1:
         raise ConfigError(f"a series runs in one set of processes: its configs start {sorted(plans)} "
@@ -213,7 +220,7 @@ def launch_series(cfgs: list[RunConfig], *, timeout_s: float = 900, params_dir: 
                 "--device", device, *(["--save-params"] if params_dir is not None else [])]
         threads = cfgs[0].threads_per_worker or threads_per_process(processes)
         rc, tail = run_torchrun(args, processes=processes, rendezvous=["--standalone"], threads=threads,
-                                timeout_s=timeout_s, progress=False, bar=(0, "series"),
+                                timeout_s=timeout_s, progress=False, bar=(0, "series"), run_dir=out_dir,
                                 timeout_hint=f"raise timeout_s or run fewer configs ({len(cfgs)}) in one series")
         done = []
         for i in range(len(cfgs)):  # the runs that finished, in order, with their weights
@@ -262,6 +269,8 @@ def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, t
     (out_dir / "config.json").write_text(cfg.to_json())
     args = ["-m", "multigpu.worker", "--config", str(out_dir / "config.json"), "--out", str(out_dir),
             "--device", device, *(["--save-params"] if params_path is not None else [])]
+    from multigpu.checkpoint_guard import checkpoint_refusal
+
     start = time.monotonic()
     per_node = cfg.processes // nnodes
     try:
@@ -269,7 +278,7 @@ def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, t
             args, processes=per_node, rendezvous=rendezvous, nnodes=nnodes,
             threads=cfg.threads_per_worker or threads_per_process(per_node),
             timeout_s=timeout_s, progress=progress, bar=(cfg.steps, f"{cfg.strategy} x{cfg.world_size}"),
-            verbose=verbose, visible_gpus=visible_gpus, max_restarts=max_restarts,
+            verbose=verbose, visible_gpus=visible_gpus, max_restarts=max_restarts, run_dir=out_dir,
             timeout_hint=f"raise timeout_s or run fewer steps ({cfg.steps}) or a smaller model ({cfg.model})")
     except LaunchError:
         if endpoint is not None and not any(out_dir.glob("started-rank*")):  # no worker ever started
@@ -278,6 +287,8 @@ def _run(cfg: RunConfig, device: str, rendezvous: list[str], out_dir: Path, *, t
         raise
     if rc != 0 and endpoint is not None and not any(out_dir.glob("started-rank*")):
         raise LaunchError(_rendezvous_message(tail, endpoint, nnodes))
+    if rc != 0 and (found := checkpoint_refusal(out_dir)):  # a checkpoint a worker found damaged: one line
+        raise found
     if rc != 0 or not (out_dir / "record.json").exists():
         raise LaunchError(_failure_message(out_dir, rc, tail))
     record = json.loads((out_dir / "record.json").read_text())
@@ -300,10 +311,13 @@ def _rendezvous_message(tail: list[str], endpoint: str, nnodes: int) -> str:
 def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], threads: int, timeout_s: float,
                  progress: bool | None, bar: tuple[int, str], verbose: bool = False,
                  timeout_hint: str = "raise timeout_s", nnodes: int = 1,
-                 visible_gpus: str | None = None, max_restarts: int = 0) -> tuple[int, list[str]]:
+                 visible_gpus: str | None = None, max_restarts: int = 0,
+                 run_dir: Path | None = None) -> tuple[int, list[str]]:
     """Run `python -m torch.distributed.run ... <args>` on `processes` workers of this node
     (one of `nnodes`); return (exit code, last output lines). Draws progress lines as a bar;
-    stops every worker on a timeout or an interrupt, so nothing is left running.
+    stops every worker on a timeout or an interrupt, so nothing is left running, and, through a
+    watchdog process (multigpu.watchdog), also when this process is killed: then the watchdog stops
+    them and removes `run_dir`, the run's folder.
     visible_gpus: the workers' CUDA_VISIBLE_DEVICES (the device plan's, for a stand-in node)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nnodes={nnodes}",
            f"--nproc-per-node={processes}", f"--max-restarts={max_restarts}", *args]
@@ -316,6 +330,7 @@ def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], thre
     tail: deque[str] = deque(maxlen=200)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
+    watchdog = start_watchdog(proc.pid, run_dir)
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
                               daemon=True)
@@ -346,6 +361,8 @@ def run_torchrun(args: list[str], *, processes: int, rendezvous: list[str], thre
         _stop(proc)
         raise
     finally:
+        watchdog.kill()  # torchrun has ended or been stopped: nothing left to watch
+        watchdog.wait()
         if view is not None:
             view.close()
 

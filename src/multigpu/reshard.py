@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from multigpu.checkpoint_files import META, CheckpointError, files_of, flat_state, read_meta, resolve
+from multigpu.checkpoint_files import META, CheckpointError, checksum, files_of, flat_state, read_meta, resolve, verify
 from multigpu.strategies.state import place_views, tensor_names
 
 
@@ -37,17 +37,19 @@ def whole(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
     path = canonical_copy(path)
     meta = read_meta(path)
+    verify(path, meta)
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp, "whole.pt"))
         state = torch.load(Path(tmp, "whole.pt"), weights_only=False)
     return flat_state({k: state[k] for k in ("model", "optimizer")}), meta
 
 
-def canonical_copy(path: str | Path) -> Path:
+def canonical_copy(path: str | Path, make: bool = True) -> Path:
     """A checkpoint under the single-device names: `path` itself when it is one; for a local layout's
     (each rank's own pieces), a copy beside it (`step-N.canonical`, made once, in this process) whose
     tensors are put together whole from every rank's pieces by where each says it lies (`places`,
-    strategies/state.py), every element of every tensor accounted for. DCP then reads it under any layout."""
+    strategies/state.py), every element of every tensor accounted for. DCP then reads it under any layout.
+    make=False: the copy must be there already (a worker's rank other than 0 only reads the one made for it)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path = resolve(path)
@@ -58,6 +60,11 @@ def canonical_copy(path: str | Path) -> Path:
     if (out / META).exists():
         read_meta(out)
         return out
+    if not make:
+        raise CheckpointError(f"the canonical copy of {path} ({out.name}) is not there for this rank: the process "
+                              "that made it writes beside the checkpoint, which every node must see (one shared "
+                              "file system)")
+    verify(path, meta)  # (the copy is made from the bytes that were written, or not at all)
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp, "local.pt"))
         state = torch.load(Path(tmp, "local.pt"), weights_only=False)
@@ -107,8 +114,12 @@ def _write_canonical(out: Path, meta: dict, model: dict, optimizer: dict, train:
     shutil.rmtree(partial, ignore_errors=True)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save({"model": model, "optimizer": optimizer, "train": train}, checkpoint_id=partial, no_dist=True)
-    meta = {**meta, "names": "canonical", "files": files_of(partial),
+        # a writer that makes no CUDA call for host tensors (DCP's default copies ahead on the current CUDA stream)
+        dcp.save({"model": model, "optimizer": optimizer, "train": train}, no_dist=True,
+                 storage_writer=dcp.FileSystemWriter(partial, per_thread_copy_ahead=0))
+    files = files_of(partial)
+    meta = {**meta, "names": "canonical", "files": files,
+            "checksums": {name: checksum(partial / name) for name in files},
             "converted_from": {"strategy": meta["config"]["strategy"], "grid": meta["grid"], "path": str(path)}}
     (partial / META).write_text(json.dumps(meta, indent=1))
     os.replace(partial, out)

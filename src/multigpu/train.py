@@ -75,7 +75,8 @@ def train(cfg: RunConfig, rt, keep_params: bool = False) -> dict:
     steps_done, losses, resumed = 0, [], None
     if path := resume_from(cfg):  # the weights, the optimizer's state, the generators; where the data stand
         resumed = checkpoint.load(path, par, cfg, rt)
-        steps_done, losses = resumed["steps_done"], resumed["losses"]
+        # this rank's restored losses: its own list, which training extends (the record keeps the saved run's)
+        steps_done, losses = resumed["steps_done"], list(resumed.pop("rank_losses"))
     saver = checkpoint.Checkpointer(cfg, rt, par, lambda stage, s: _maybe_fail(cfg, rt.rank, s, stage)) \
         if cfg.checkpoint_dir else None
 

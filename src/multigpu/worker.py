@@ -34,6 +34,8 @@ def build_record(cfg: RunConfig, rt, results: list[dict]) -> dict:
     steps = len(results[0]["loss"])
     # the global loss is the mean of the ranks' losses (each rank holds an equal share)
     loss = [sum(r["loss"][s] for r in results) / len(results) for s in range(steps)]
+    if resumed := results[0]["checkpoint"]["resumed"]:  # the restored steps: the saved run's record, all its ranks
+        loss[:len(resumed["losses"])] = resumed["losses"]
     # the slowest rank sets the pace (None: no step was trained, a checkpoint saved again under a new layout)
     step_time_s = max(r["step_time_s"] for r in results) if results[0]["step_time_s"] is not None else None
     tokens_per_step = cfg.global_batch_size * results[0]["seq_len"]
