@@ -7,7 +7,8 @@ them there.
 
 `folder` then holds, as a server's results/ would after `make figures`:
 
-- cpu-2core-gloo/: the committed records, copied (every checkout has them);
+- cpu-2core-gloo/ and the other committed folders (1xH200-nccl, ...): the committed records,
+  copied (every checkout has them, and a chapter may read them beside the server's);
 - <gpus>x<GPU>-nccl/: every experiment that trains on the GPUs, run by the package itself:
   `experiments.run_experiment` over the lists `EXPERIMENTS` makes for a `torch.cuda` that
   claims the GPUs (`fake_cuda`), through `launch` (the one device plan, DataParallel's note,
@@ -16,7 +17,8 @@ them there.
   each rank what `train.train` returns on the GPU path, and `GpuWorkers` folds the ranks into
   `record.json` as `worker.main` does. With `fails`, the runs it picks fail in their workers
   instead (as every pipeline did on NCCL before ad8000d): the package then writes what a
-  partly failed `make figures` leaves, some experiments missing or short;
+  partly failed `make figures` leaves, some experiments missing or short. With `stopped`,
+  `make figures` was stopped during those experiments (their files keep the runs before);
 - cpu-32core-gloo/: the experiments that run on the CPU over gloo whatever the machine
   (everything `run_spmd` starts, the stale-gradient replay, the multi-process experiments on
   one GPU, the compositions below 8 GPUs). A server files them under its own CPU's tag; here
@@ -31,9 +33,11 @@ The processes a test starts (notebook kernels) see the same fake GPUs through
 tests/fake_cuda/sitecustomize.py (`kernel_env`).
 
 Run as a script to write such a folder, and point MULTIGPU_RESULTS at it to read the
-chapters against it (tests/test_gpu_shaped.py does, chapter by chapter):
+chapters against it (tests/test_gpu_chapters.py does, chapter by chapter, for the servers of
+SERVERS: 1, 2 and 3 GPUs, a partial folder of 3, and 8):
 
     python tests/gpu_shaped.py --gpus 8 /tmp/gpu-results
+    python tests/gpu_shaped.py --gpus 3 --name "Tesla V100-SXM2-32GB" --partial /tmp/gpu-partial
     PYTHONPATH=tests/fake_cuda MULTIGPU_FAKE_CUDA="8:NVIDIA H100 80GB HBM3" MULTIGPU_RESULTS=/tmp/gpu-results \
         jupyter lab book/   # the chapters, as on that server (live cells cannot run)
 """
@@ -100,6 +104,18 @@ def pipelines_fail(experiment: str, cfg: RunConfig) -> str | None:
     if experiment == "tp_scaling":
         return "RuntimeError: interrupted"
     return None
+
+
+# where the partial server's `make figures` was stopped (a job's time limit, Ctrl-C) and run again for the
+# experiments after: experiment -> the runs that had finished. A file then holds only those, and a chapter reads
+# them as that machine's (machine_limits: none, its step profiles have no measured peak; compositions: the single
+# device alone; checkpoint_bytes: one device and DDP, on the server's CPU; dp_vs_ddp: no DataParallel at the
+# larger batch)
+STOPPED = {"machine_limits": 0, "compositions": 1, "checkpoint_bytes": 2, "dp_vs_ddp": 3}
+
+
+class Interrupted(BaseException):
+    """`make figures` stopped during an experiment (what KeyboardInterrupt does to it)."""
 
 
 class RunsOnTheCPU(BaseException):
@@ -324,8 +340,9 @@ class GpuWorkers:
     `fails(experiment, cfg)` picks fails as its workers would, with that error: no record, a
     non-zero exit."""
 
-    def __init__(self, templates: list[dict], gpu: str = GPU_NAME, fails=None):
-        self.templates, self.gpu, self.fails = templates, gpu, fails
+    def __init__(self, templates: list[dict], gpu: str = GPU_NAME, fails=None, stopped: dict | None = None):
+        self.templates, self.gpu, self.fails, self.stopped = templates, gpu, fails, stopped or {}
+        self.runs: dict[str, int] = {}  # experiment -> runs started on the GPUs
         self.experiment: str | None = None  # the experiment being written: its templates come first
         self.failed: dict[str, int] = {}  # experiment -> runs made to fail
 
@@ -338,6 +355,9 @@ class GpuWorkers:
         if options["--device"] != "cuda":
             raise RunsOnTheCPU(f"a run on {options['--device']}")
         cfg = RunConfig.from_dict(json.loads(Path(options["--config"]).read_text()))
+        self.runs[self.experiment] = self.runs.get(self.experiment, 0) + 1
+        if self.runs[self.experiment] > self.stopped.get(self.experiment, math.inf):
+            raise Interrupted(self.experiment)
         error = self.fails and self.fails(self.experiment, cfg)
         if error:
             self.failed[self.experiment] = self.failed.get(self.experiment, 0) + 1
@@ -408,23 +428,26 @@ def _gpu_memory_rate(device: str, threads, size_bytes: int) -> dict:
             "best_bytes_per_s": 2.5e12, "median_bytes_per_s": 2.4e12, "calls": 10}
 
 
-def _refile_on_server_cpu(experiment: str, folder: Path) -> None:
-    """The committed records of an experiment that runs on the CPU, as the server's CPU files them."""
+def _refile_on_server_cpu(experiment: str, folder: Path, runs: int | None = None) -> None:
+    """The committed records of an experiment that runs on the CPU, as the server's CPU files them
+    (the first `runs` of them: where `make figures` was stopped)."""
     rewritten = []
-    for r in records.read_records(COMMITTED / f"{experiment}.jsonl"):
+    for r in records.read_records(COMMITTED / f"{experiment}.jsonl")[:runs]:
         p = r["provenance"]
         server = records.provenance(p["backend"], p["world_size"], "cpu", p["threads_per_worker"])
         rewritten.append({**r, "provenance": server})
     records.write_records(folder / records.machine_tag("cpu") / f"{experiment}.jsonl", rewritten)
 
 
-def write_gpu_results(folder: Path, gpus: int, name: str = GPU_NAME, fails=None) -> str:
+def write_gpu_results(folder: Path, gpus: int, name: str = GPU_NAME, fails=None, stopped: dict | None = None) -> str:
     """Write into `folder` the results/ of a server with `gpus` GPUs named `name` after `make
     figures` (see the module's docstring); return the GPU machine tag. `fails(experiment,
-    cfg)`: an error message for the runs that fail in their workers, else None. Raises
+    cfg)`: an error message for the runs that fail in their workers, else None. `stopped`:
+    experiment -> the runs that finished before `make figures` was stopped during it. Raises
     ExperimentFailed, after writing everything, if any other run failed."""
-    shutil.copytree(COMMITTED, folder / COMMITTED.name)
-    workers = GpuWorkers(training_records(COMMITTED), name, fails)
+    for committed in committed_tags():
+        shutil.copytree(COMMITTED.parent / committed, folder / committed)
+    workers = GpuWorkers(training_records(COMMITTED), name, fails, stopped)
     with pytest.MonkeyPatch.context() as mp:
         fake_cuda(mp, gpus, name)
         mp.setattr(records, "RESULTS_DIR", folder)
@@ -435,17 +458,45 @@ def write_gpu_results(folder: Path, gpus: int, name: str = GPU_NAME, fails=None)
         tag, unexpected = records.machine_tag(), []
         for experiment in experiments.EXPERIMENTS:
             workers.experiment = experiment
+            if (stopped or {}).get(experiment) == 0:
+                continue  # stopped before its first run finished: no file
             try:
                 experiments.run_experiment(experiment, progress=False)
             except RunsOnTheCPU:
                 assert not (folder / tag / f"{experiment}.jsonl").exists(), f"{experiment} ran partly on the GPUs"
-                _refile_on_server_cpu(experiment, folder)
+                _refile_on_server_cpu(experiment, folder, (stopped or {}).get(experiment))
+            except Interrupted:
+                pass  # its file keeps the runs that finished (run_experiment writes after every run)
             except experiments.ExperimentFailed as err:  # "<name>: <k> of <n> run(s) failed: ..."
                 if int(str(err).split(": ", 1)[1].split(" of ")[0]) != workers.failed.get(experiment):
                     unexpected.append(str(err))
     if unexpected:
         raise experiments.ExperimentFailed("\n".join(unexpected))
     return tag
+
+
+# the servers the tests write results for: name -> (GPUs, their name, the runs that fail in their workers, where
+# `make figures` was stopped). 1, 2
+# and 3 GPUs, complete; 3 whose pipelines and tensor-parallel runs failed (partial: chapters then mix the GPU's
+# records with the committed CPU's); 8, the one where the compositions run on the GPUs
+SERVERS = {
+    "1xA100": (1, A100, None, None),
+    "2xH100": (2, H100, None, None),
+    "3xA100": (3, A100, None, None),
+    "3xV100-partial": (3, V100, pipelines_fail, STOPPED),
+    "8xH100": (8, H100, None, None),
+}
+_WRITTEN: dict[tuple[Path, str], tuple[Path, str]] = {}
+
+
+def server_results(server: str, tmp_path_factory) -> tuple[Path, str]:
+    """(folder, GPU tag): results/ as `server` (SERVERS) leaves it, written once per session
+    (one folder per server, whichever test module asks first)."""
+    key = (tmp_path_factory.getbasetemp(), server)
+    if key not in _WRITTEN:
+        folder = tmp_path_factory.mktemp(f"results-{server}")
+        _WRITTEN[key] = folder, write_gpu_results(folder, *SERVERS[server])
+    return _WRITTEN[key]
 
 
 def committed_tags() -> list[str]:
@@ -487,9 +538,10 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--name", default=GPU_NAME, choices=list(GPU_SPEEDS), help="the GPUs' name")
     parser.add_argument("--partial", action="store_true",
-                        help="the pipelines and tp_scaling's tensor-parallel runs fail (pipelines_fail)")
+                        help="the pipelines and tp_scaling's tensor-parallel runs fail (pipelines_fail), and "
+                             "`make figures` was stopped during the experiments of STOPPED")
     args = parser.parse_args()
-    print(write_gpu_results(args.folder, args.gpus, args.name, pipelines_fail if args.partial else None))
+    print(write_gpu_results(args.folder, args.gpus, args.name, *(pipelines_fail, STOPPED) if args.partial else ()))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from gpu_shaped import (
     H100,
     SERVERS,
     V100,
+    committed_tags,
     fake_cuda,
     gpu_train_result,
     kernel_env,
@@ -142,11 +143,12 @@ def _failing(server: str, experiment: str, cfg) -> bool:
 @pytest.mark.parametrize("server", SERVERS)
 def test_gpu_records_are_shaped_like_the_gpu_path(gpu_results, server):
     folder, tag = gpu_results(server)
-    gpus, name, _ = SERVERS[server]
+    gpus, name, _, stopped = SERVERS[server]
     assert tag == TAGS[server]
     with pytest.MonkeyPatch.context() as mp:
-        fake_cuda(mp, gpus, name)
-        made = {e: [c for c in EXPERIMENTS[e]() if not _failing(server, e, c)] for e in TRAINING}
+        fake_cuda(mp, gpus, name)  # every run but those that failed, and those after a stop
+        made = {e: [c for c in EXPERIMENTS[e]()[:(stopped or {}).get(e)] if not _failing(server, e, c)]
+                for e in TRAINING}
     runs = 0
     for path in sorted((folder / tag).glob("*.jsonl")):
         found = records.read_records(path)
@@ -180,6 +182,21 @@ def test_gpu_records_are_shaped_like_the_gpu_path(gpu_results, server):
     assert runs == sum(len(cfgs) for e, cfgs in made.items() if (folder / tag / f"{e}.jsonl").exists()) > 0
 
 
+def test_dataparallel_memory_draws_what_the_gpu_path_records(gpu_results):
+    """torch.nn.DataParallel's record on GPUs (GPUDataParallel.report: each device's allocator
+    peak, categories None) draws as one bar per replica, its allocator's peak, not a TypeError."""
+    from multigpu import plots
+
+    folder, tag = gpu_results("2xH100")
+    dp = [r for r in records.read_records(folder / tag / "dp_vs_ddp.jsonl") if r["config"]["strategy"] == "dp"]
+    assert dp and all(m["params"] is None and m["total"] > 0 for r in dp for m in r["peak_memory_bytes_by_rank"])
+    fig = plots.dp_memory(dp[-1])
+    (ax,) = fig.axes
+    heights = [bar.get_height() for bar in ax.patches]
+    assert heights == pytest.approx([m["total"] / 2**20 for m in dp[-1]["peak_memory_bytes_by_rank"]])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["allocator's peak (not split by category)"]
+
+
 RUN_SPMD = {"collectives_bandwidth", "link_model", "tp_width", "tp_collectives", "pp_bubble", "async_staleness",
             "cp_balance", "cp_timeline", "cp_longest", "checkpoint_bytes"}  # the CPU by design (cp_balance: the
 # ring's blocks replayed in one process; cp_longest: a CPU budget for gpt-long, whose positions fit any GPU;
@@ -200,9 +217,10 @@ def test_gpu_server_files_cpu_experiments_under_its_cpu_tag(gpu_results, server)
     assert on_cpu == (set(EXPERIMENTS) - ONE_DEVICE if gpus == 1 else
                       RUN_SPMD | ({"compositions"} if gpus < 8 else set()))
     missing = {"pp_schedules", "pp_memory", "tp_scaling"} if server.endswith("partial") else set()
+    missing |= {e for e, runs in (SERVERS[server][3] or {}).items() if runs == 0}  # stopped before it began
     assert on_cpu | on_gpus == set(EXPERIMENTS) - missing and not on_cpu & on_gpus
     assert all((folder / COMMITTED.name / f"{e}.jsonl").exists() for e in missing)  # what chapters fall back to
-    assert sorted(p.name for p in folder.iterdir()) == sorted({COMMITTED.name, "cpu-32core-gloo", tag})
+    assert sorted(p.name for p in folder.iterdir()) == sorted({*committed_tags(), "cpu-32core-gloo", tag})
 
 
 # one cuBLAS workspace per handle, two handles (the forward's thread and autograd's): 32 MiB each on
@@ -252,7 +270,7 @@ def test_the_estimators_record_readers_on_a_gpu_server(gpu_results, server, monk
     assert {row["strategy"] for row in committed} >= {"dp", "pp-1f1b-scratch"} and len(rows) > len(committed)
 
     gpu_fit, cpu_fit = machine_calibration("cuda"), machine_calibration("cpu")
-    assert gpu_fit is not None and gpu_fit.source == f"{CALIBRATED_BY} on {tag}"
+    assert gpu_fit is not None and gpu_fit.source.startswith(CALIBRATED_BY) and tag in gpu_fit.source
     assert cpu_fit is not None and tag not in cpu_fit.source
     assert cli.main(["estimate", "--model", "t5-small", "--gpu", "v100-32gb", "--batch-size", "2"]) == 0
     said = capsys.readouterr().out
