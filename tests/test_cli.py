@@ -289,3 +289,40 @@ def test_run_profile_prints_the_mfu_and_where_the_step_went(tmp_path, monkeypatc
     assert out.returncode == 0, out.stderr
     assert re.search(r"MFU +\d+\.\d% of this machine's measured peak \(HFU \d+\.\d%\)", out.stdout), out.stdout
     assert re.search(r"profile, rank 0: matmul \d+%", out.stdout), out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_saved_at_step_3_resumes_to_step_6_with_the_defaults(tmp_path):
+    """`run --steps 3 --checkpoint-dir ck`, then `run --steps 6 --resume ck`, nothing else given: the data set does
+    not depend on --steps, so the resumed run trains on the unbroken run's batches, and its losses equal that run's
+    bit for bit (the restored steps' from the checkpoint, the trained steps' computed again)."""
+    ck = str(tmp_path / "ck")
+    saved = in_process("run", "--steps", "3", "--checkpoint-dir", ck, "--json")
+    assert saved.returncode == 0, saved.stderr
+    resumed = in_process("run", "--steps", "6", "--resume", ck, "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    unbroken = in_process("run", "--steps", "6", "--json")
+    assert unbroken.returncode == 0, unbroken.stderr
+    losses = [json.loads(out.stdout)["loss"] for out in (saved, resumed, unbroken)]
+    assert losses[1] == losses[2] and losses[0] == losses[2][:3], losses
+    assert json.loads(resumed.stdout)["checkpoint"]["resumed"]["steps_done"] == 3
+
+
+def test_the_summary_says_what_the_run_was(monkeypatch, capsys):
+    """run's summary names the ep degree, the recomputation mode, that short runs time their instruments too, the
+    experts' dropped tokens, and a resumed checkpoint's grid as the grid line writes it (not a raw dict)."""
+    record = {"peak_memory_bytes_by_rank": [{"params": 2**20}], "provenance": {"backend": "gloo"}, "parameters": 10,
+              "loss": [5.0, 4.0], "step_time_s": 0.01, "timed_steps": 1, "step_time_includes_tracking": True,
+              "tokens_per_s": 1.0, "samples_per_s": 1.0, "comm_payload_bytes_per_step_by_rank": [{}],
+              "checkpoint": {"resumed": {"path": "ck/step-00000001", "steps_done": 1,
+                                         "saved_by": {"strategy": "ddp", "grid": {"dp": 2, "pp": 1, "tp": 1}}}},
+              "moe": {"tokens_per_expert": [[[3, 1]]], "dropped": [[1]], "top_k": 2, "capacity_factor": 0.5}}
+    monkeypatch.setattr(importlib.import_module("multigpu.launch"), "launch", lambda *args, **kwargs: record)
+    assert cli.main(["run", "--strategy", "fsdp", "--ep", "2", "--world-size", "2", "--model", "gpt-moe-tiny",
+                     "--activation-checkpointing", "selective", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    for said in ("experts cut over ep 2", "recompute   selective", "ran the memory tracker or traffic counter",
+                 "median of 1 step)", "saved by ddp on dp 2 x pp 1 x tp 1", "capacity factor 0.5",
+                 "25.0% of a step's routed tokens dropped"):
+        assert said in out, (said, out)

@@ -159,7 +159,10 @@ def test_derived_sizes():
     cfg = RunConfig(strategy="ddp", world_size=4, grad_accum_steps=2, global_batch_size=32, steps=5)
     assert cfg.per_rank_batch_size == 32 // 4
     assert cfg.micro_batch_size == 32 // (4 * 2)
-    assert cfg.num_samples == 32 * 5  # enough samples for every step, no epoch repeats
+    # about a million tokens, whatever the steps: a run saved after some steps continues on the same data
+    assert cfg.num_samples == 2**20 // 64 == cfg.replace(steps=500).num_samples  # gpt-tiny's 64 tokens
+    assert cfg.replace(seq_len=48).num_samples == -(-(2**20) // 48)
+    assert cfg.replace(global_batch_size=2**16).num_samples == 2**16  # at least one global batch
     assert cfg.replace(dataset_size=100).num_samples == 100
     assert cfg.processes == 4
     # dp: N replicas are threads of one process; the batch still splits N ways

@@ -133,3 +133,27 @@ def test_a_hugging_face_decoder_is_estimated_and_equals_its_dry_run(tmp_path):
         assert found and all(r["difference"] == 0 for r in found), found
     with pytest.raises(ConfigError, match="estimated for the package's GPT"):
         estimate(Setup(config, "fsdp", 8, tp=2), 8)
+
+
+def test_a_config_with_a_count_of_zero_names_the_setting(tmp_path, capsys):
+    """A llama config.json with num_attention_heads 0 was refused with transformers' ZeroDivisionError alone."""
+    import json
+
+    from multigpu.hf import TINY_LLAMA
+
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps({**TINY_LLAMA, "num_attention_heads": 0}))
+    assert main(["dryrun", "--strategy", "fsdp", "--world-size", "2", "--model", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "'num_attention_heads' is 0; it must be a whole number >= 1" in err and "ZeroDivision" not in err, err
+
+
+def test_a_hugging_face_plan_says_what_the_estimator_does_not_model(tmp_path, capsys):
+    """A plan the estimator has no rows for says why, and its text shows the activations the dry run measured."""
+    from multigpu.hf import write_tiny_llama_config
+
+    config = str(write_tiny_llama_config(tmp_path / "llama.json"))
+    assert main(["dryrun", "--strategy", "fsdp", "--tp", "2", "--world-size", "4", "--model", config]) == 0
+    out = capsys.readouterr().out
+    assert "measurements only: the estimator does not model" in out and "package's GPT" in out, out
+    assert "activations" in out, out

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from multigpu.config import OPTIMIZERS, STRATEGIES, ConfigError, RunConfig, with_strategy_defaults
 from multigpu.estimator.cli import add_estimator_commands
@@ -98,8 +99,9 @@ def _config(args, on_this_machine: bool = True) -> RunConfig:
             raise ConfigError(f"--per-rank-batch-size must be >= 1, got {args.per_rank_batch_size}")
         if cfg.strategy in STRATEGIES:
             global_batch_size = args.per_rank_batch_size * cfg.grid.dp  # the grid, checked
-    cfg = cfg.replace(
-        global_batch_size=global_batch_size or 1, grad_accum_steps=args.grad_accum_steps or d.grad_accum_steps,
+    cfg = cfg.replace(  # (a number given is checked as given: 0 is refused, not replaced by a default)
+        global_batch_size=1 if global_batch_size is None else global_batch_size,
+        grad_accum_steps=d.grad_accum_steps if args.grad_accum_steps is None else args.grad_accum_steps,
         seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr, steps=args.steps,
         activation_checkpointing=args.activation_checkpointing, dataset=args.dataset, seed=args.seed,
         device=args.device, bucket_cap_mb=args.bucket_cap_mb, threads_per_worker=args.threads_per_worker,
@@ -117,6 +119,26 @@ def _config(args, on_this_machine: bool = True) -> RunConfig:
     return cfg.validate(on_this_machine)
 
 
+MAX_TIMEOUT_S = 30 * 86400  # 30 days: a run's stop watch (threading's timers refuse much more)
+
+
+def _check_flags(args) -> None:
+    """The flags that are not RunConfig fields, in range, before anything is built or started."""
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ConfigError(f"--timeout must be a positive number of seconds up to {MAX_TIMEOUT_S:,} (30 days), "
+                          f"got {timeout:g}")
+    tolerance = getattr(args, "tolerance", None)
+    if tolerance is not None and not 0 <= tolerance < 1:
+        raise ConfigError(f"--tolerance must be a number from 0 to below 1 (the largest difference from one device's "
+                          f"weights and losses that passes; the default is 1e-05), got {tolerance:g}")
+
+
+def _grid(grid) -> str:
+    """A grid (or its dict) as the summaries write it: dp 2 x pp 1 x tp 1."""
+    return " x ".join(f"{k} {v}" for k, v in (grid if isinstance(grid, dict) else grid.as_dict()).items())
+
+
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
@@ -125,6 +147,12 @@ def cmd_run(args) -> int:
     from multigpu.launch import launch
 
     cfg = _config(args)
+    if cfg.info.module.startswith("deepspeed"):  # its first run on a CPU builds an extension, silently otherwise
+        from multigpu.strategies.deepspeed import EXTENSIONS_DIR
+
+        if not any(Path(os.environ.get("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)).rglob("*.so")):
+            print("multigpu: DeepSpeed builds its C++ extension on its first run here (a minute or two, once; "
+                  f"kept in {EXTENSIONS_DIR} for the next runs)", file=sys.stderr)
     record = launch(cfg, port=args.port, timeout_s=args.timeout, progress=None if not args.json else False,
                     nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                     check_memory=not args.no_memory_check, max_restarts=args.max_restarts)
@@ -139,9 +167,14 @@ def cmd_run(args) -> int:
     if record.get("strategy_report", {}).get("implementation"):
         print(f"  implementation  {record['strategy_report']['implementation']}")
     d = cfg.degrees
-    if d["tp"] > 1 or d["pp"] > 1 or d.get("cp", 1) > 1:
+    if d["tp"] > 1 or d["pp"] > 1 or d.get("cp", 1) > 1 or d.get("ep", 1) > 1:
         cut = f" x cp {d['cp']}" if d.get("cp", 1) > 1 else ""
-        print(f"  grid        dp {d['dp']} x pp {d['pp']}{cut} x tp {d['tp']} = {cfg.world_size} processes")
+        experts = f" (experts cut over ep {d['ep']} of the dp ranks)" if d.get("ep", 1) > 1 else ""
+        print(f"  grid        dp {d['dp']} x pp {d['pp']}{cut} x tp {d['tp']} = {cfg.world_size} processes{experts}")
+    if cfg.activation_checkpointing:
+        from multigpu.recompute import recompute_mode
+
+        print(f"  recompute   {recompute_mode(cfg.activation_checkpointing)} activation checkpointing")
     print(f"  batch       {cfg.global_batch_size} samples per step = {d['dp']} x "
           f"{cfg.per_rank_batch_size} (micro-batches of {cfg.micro_batch_size})")
     print(f"  loss        {record['loss'][0]:.4f} -> {record['loss'][-1]:.4f} over {cfg.steps} steps")
@@ -149,13 +182,16 @@ def cmd_run(args) -> int:
     if ckpt.get("resumed"):
         r = ckpt["resumed"]
         print(f"  resumed     from {r['path']} ({r['steps_done']} steps done, saved by {r['saved_by']['strategy']} "
-              f"on {r['saved_by']['grid']})")
+              f"on {_grid(r['saved_by']['grid'])})")
     for save in (ckpt.get("saves") or [[]])[0]:
         print(f"  checkpoint  step {save['steps_done']}: {_mib(save['bytes_total'])} written, training blocked "
               f"{save['blocking_s'] * 1e3:.0f} ms of {save['total_s'] * 1e3:.0f} ms" + " (async)" * save["async"])
     if record["step_time_s"] is None:  # a reshard: no step trained
         return 0
-    print(f"  step time   {record['step_time_s'] * 1e3:.1f} ms (median of {record['timed_steps']} steps)")
+    steps = f"{record['timed_steps']} step{'s' * (record['timed_steps'] != 1)}"
+    print(f"  step time   {record['step_time_s'] * 1e3:.1f} ms (median of {steps})" + (
+        "; in a run this short the timed steps also ran the memory tracker or traffic counter, whose overhead it "
+        "includes: give more --steps for clean times" if record.get("step_time_includes_tracking") else ""))
     print(f"  throughput  {record['tokens_per_s']:,.0f} tokens/s, {record['samples_per_s']:,.1f} samples/s")
     from multigpu.estimator.flops import utilization
 
@@ -172,6 +208,14 @@ def cmd_run(args) -> int:
     comm = record["comm_payload_bytes_per_step_by_rank"][0]
     if comm:
         print("  collectives per step, rank 0: " + ", ".join(f"{k} {_mib(v)}" for k, v in comm.items()))
+    if record.get("moe"):
+        from multigpu.moe import dropped_by_step
+
+        dropped = dropped_by_step(record["moe"])
+        factor = record["moe"].get("capacity_factor")
+        print(f"  experts     top-{record['moe']['top_k']} routing, capacity factor "
+              f"{'none (no limit)' if factor is None else f'{factor:g}'}: at most {max(dropped):.1%} of a step's "
+              "routed tokens dropped (--json's moe: by layer and expert)")
     return 0
 
 
@@ -221,18 +265,36 @@ def cmd_dryrun(args) -> int:
 
     if args.world_size is None:
         raise ConfigError("dryrun needs --world-size: the ranks of the world planned (up to any size, e.g. 1024)")
+    dryrun.refuse_world(args.strategy, args.world_size)  # before any config is built
     cfg = _config(args, on_this_machine=False)
-    dryrun.plan(cfg.strategy, cfg.world_size, cfg.model)  # a strategy that cannot run this way, with the reason
+    dryrun.refuse(cfg)  # a plan that cannot run this way, with the reason
+    if args.rank is not None and not 0 <= args.rank < cfg.processes:
+        raise ConfigError(f"--rank {args.rank} is not in a world of {cfg.processes} (ranks 0 to {cfg.processes - 1})")
     runs = dryrun.dry_runs(cfg) if args.rank is None else [dryrun.dry_run(cfg, args.rank, f"rank {args.rank}")]
     if args.json:
         print(json.dumps([{**run.as_dict(), "estimator": rows(cfg, run)} for run in runs]))
         return 0
-    print(f"{cfg.model}, {cfg.strategy} on {cfg.world_size} ranks {cfg.grid.as_dict()}, {cfg.global_batch_size} "
+    print(f"{cfg.model}, {cfg.strategy} on {cfg.world_size} ranks ({_grid(cfg.grid)}), {cfg.global_batch_size} "
           f"sample(s) of {runs[0].seq_len} tokens per step in {cfg.grad_accum_steps} micro-batch(es): a dry run")
     print("\n".join(report(cfg, runs)))
     if not any(rows(cfg, run) for run in runs):
-        print("(the estimator does not model this strategy, option or model: measurements only)")
+        print(f"(measurements only: {_not_estimated(cfg)})")
     return 0
+
+
+def _not_estimated(cfg: RunConfig) -> str:
+    """Which of the strategy, its options or the model the estimator does not model, and why."""
+    from multigpu.estimator.held import setup_for
+    from multigpu.estimator.share import rank_shares
+
+    if setup_for(cfg) is None:
+        options = "".join(f" with {k} {v}" for k, v in cfg.extra.items() if k in ("wrap", "replicas"))
+        return f"the estimator does not model the strategy {cfg.strategy} on grid {_grid(cfg.grid)}{options}"
+    try:
+        rank_shares(setup_for(cfg))
+    except ConfigError as e:
+        return f"the estimator does not model {cfg.model} so: {e}"
+    return "the estimator has no row for this plan"
 
 
 def cmd_figures(args) -> int:
@@ -318,6 +380,7 @@ def main(argv=None) -> int:
     from multigpu.launch import LaunchError
 
     try:
+        _check_flags(args)
         return args.func(args)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

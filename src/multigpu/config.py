@@ -35,9 +35,7 @@ DATASETS = ("synthetic", "dummy")
 
 def _choose(name: str, value: str, allowed) -> None:
     if value not in allowed:
-        raise ConfigError(
-            f"unknown {name} {value!r}; choose one of: {', '.join(allowed)}"
-        )
+        raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(allowed)}")
 
 
 def max_cpu_workers() -> int:
@@ -64,7 +62,7 @@ class RunConfig:
     steps: int = 10
     activation_checkpointing: bool | str = False  # True or "full", "selective" (multigpu.recompute)
     dataset: str = "synthetic"
-    dataset_size: int | None = None  # None: enough samples for `steps` steps
+    dataset_size: int | None = None  # None: about DATASET_TOKENS tokens (num_samples), whatever the steps
     seed: int = 0
     device: str = "auto"
     bucket_cap_mb: float = 25.0  # gradient buckets: DDP, ddp-scratch, zero2, DeepSpeed
@@ -117,7 +115,13 @@ class RunConfig:
 
     @property
     def num_samples(self) -> int:
-        return self.dataset_size or self.global_batch_size * max(self.steps, 1)
+        """The data set's samples: dataset_size, or about DATASET_TOKENS tokens (at least one global batch). It does
+        not depend on steps, so a run saved after some steps continues for more on the same data."""
+        if self.dataset_size is not None:
+            return self.dataset_size
+        from multigpu.models import default_seq_len
+
+        return max(self.global_batch_size, -(-DATASET_TOKENS // (self.seq_len or default_seq_len(self.model))))
 
     def validate(self, on_this_machine: bool = True) -> RunConfig:
         """Check every field, before any process starts. on_this_machine=False: a run planned for other machines
@@ -135,25 +139,25 @@ class RunConfig:
         from multigpu.recompute import recompute_mode
 
         recompute_mode(self.activation_checkpointing)
-        for name in ("world_size", "global_batch_size", "grad_accum_steps", "steps"):
+        for name in ("world_size", "global_batch_size", "grad_accum_steps", "steps", "dataset_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if value is None and name == "dataset_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+            if value > MAX_STEPS and name != "dataset_size":  # (a data set is held to this machine's memory)
+                raise ConfigError(f"{name} must be at most {MAX_STEPS} (--{name.replace('_', '-')}), got {value}")
         if self.strategy == "single" and self.world_size != 1:
-            raise ConfigError(
-                f"strategy 'single' runs one process, got world_size={self.world_size}; "
-                "use world_size=1 or a parallel strategy such as 'ddp'"
-            )
+            raise ConfigError(f"strategy 'single' runs one process, got world_size={self.world_size}; "
+                              "use world_size=1 or a parallel strategy such as 'ddp'")
         from multigpu.runtime import machine_gpus, resolve_requested
 
         # a process per GPU is always useful, whatever the cores (a container may show few)
         gpus = 0 if resolve_requested(self.device) == "cpu" else machine_gpus()
         if on_this_machine and self.world_size > max(max_cpu_workers(), gpus):
-            raise ConfigError(
-                f"world_size={self.world_size} is more processes than this machine can run "
-                f"usefully ({os.cpu_count()} CPU cores, limit {max_cpu_workers()}; {gpus} CUDA GPU(s)); "
-                "use fewer processes or a machine with more GPUs"
-            )
+            raise ConfigError(f"world_size={self.world_size} is more processes than this machine can run usefully "
+                              f"({os.cpu_count()} CPU cores, limit {max_cpu_workers()}; {gpus} CUDA GPU(s)); "
+                              "use fewer processes or a machine with more GPUs")
         self.grid  # noqa: B018 - resolving the grid checks the degrees, with their arithmetic
         if self.dtype == "fp16-mixed" and self.strategy not in FP16_STRATEGIES:
             raise ConfigError(fp16_refusal(self.strategy))
@@ -162,39 +166,36 @@ class RunConfig:
         if self.global_batch_size % per_step:
             over = (f"world_size={self.world_size}" if dp == self.world_size
                     else f"dp={dp} data-parallel rank(s)")
-            raise ConfigError(
-                f"global_batch_size={self.global_batch_size} does not split evenly over "
-                f"{over} x grad_accum_steps={self.grad_accum_steps} "
-                f"= {per_step} micro-batches; use a multiple of {per_step}, "
-                f"e.g. {per_step * max(1, round(self.global_batch_size / per_step))}"
-            )
+            raise ConfigError(f"global_batch_size={self.global_batch_size} does not split evenly over {over} x "
+                              f"grad_accum_steps={self.grad_accum_steps} = {per_step} micro-batches; use a multiple "
+                              f"of {per_step}, e.g. {per_step * max(1, round(self.global_batch_size / per_step))}")
         if self.num_samples < self.global_batch_size:
-            raise ConfigError(
-                f"dataset_size={self.dataset_size} is smaller than one global batch "
-                f"({self.global_batch_size}); use at least {self.global_batch_size} samples"
-            )
+            raise ConfigError(f"dataset_size={self.dataset_size} is smaller than one global batch "
+                              f"({self.global_batch_size}); use at least {self.global_batch_size} samples")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
             raise ConfigError(f"seq_len must be a whole number >= 2, got {self.seq_len!r}")
         from multigpu.models import check_model, max_seq_len
 
         check_model(self.model)
         if self.seq_len is not None and max_seq_len(self.model) is not None and self.seq_len > max_seq_len(self.model):
-            raise ConfigError(
-                f"seq_len={self.seq_len} is longer than model {self.model!r} can take "
-                f"({max_seq_len(self.model)} positions); use at most {max_seq_len(self.model)} or a larger preset"
-            )
+            raise ConfigError(f"seq_len={self.seq_len} is longer than model {self.model!r} can take "
+                              f"({max_seq_len(self.model)} positions); use at most {max_seq_len(self.model)} or a "
+                              "larger preset")
         if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr):
             raise ConfigError(f"lr must be a finite number (e.g. 0.01), got {self.lr!r}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be positive, got {self.lr!r}")
+        if self.lr > MAX_LR:
+            raise ConfigError(f"lr must be at most {MAX_LR:g} (--lr; learning rates that train are below 10), got "
+                              f"{self.lr:g}")
         if (not isinstance(self.bucket_cap_mb, (int, float)) or not math.isfinite(self.bucket_cap_mb)
                 or not 0 < self.bucket_cap_mb <= MAX_BUCKET_MB):
             raise ConfigError(f"bucket_cap_mb must be a positive number of MiB up to {MAX_BUCKET_MB} (1 TiB: one "
                               f"bucket larger than any model), got {self.bucket_cap_mb!r}; DDP's default is 25")
         if self.threads_per_worker is not None and not 1 <= self.threads_per_worker <= MAX_THREADS:
-            raise ConfigError(f"threads_per_worker must be a whole number from 1 to {MAX_THREADS} "
-                              "(torch.set_num_threads takes a C int; more threads than cores only queue), or None; "
-                              f"got {self.threads_per_worker!r}")
+            raise ConfigError(f"threads_per_worker must be a whole number from 1 to {MAX_THREADS} (--threads-per-worker"
+                              "; torch.set_num_threads takes a C int; more threads than cores only queue), or left out;"
+                              f" got {self.threads_per_worker!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"seed must be a whole number from 0 to {MAX_SEED} (torch's generators take a 64-bit "
                               f"signed seed, and the sampler adds the epoch to it), got {self.seed!r}")
@@ -246,10 +247,8 @@ class RunConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ConfigError(
-                f"unknown RunConfig field(s): {', '.join(unknown)}; "
-                f"known fields are: {', '.join(sorted(names))}"
-            )
+            raise ConfigError(f"unknown RunConfig field(s): {', '.join(unknown)}; "
+                              f"known fields are: {', '.join(sorted(names))}")
         return cls(**data)
 
     def replace(self, **changes) -> RunConfig:
@@ -296,11 +295,13 @@ def parse_fault(fault: str) -> tuple[str, int, int, str | None]:
 MAX_STEPS = 10**9  # steps, samples and checkpoint intervals are counted in 64-bit integers, far from this
 MAX_SEED = 2**62  # a 64-bit signed seed, with room for the sampler's seed + epoch
 MAX_THREADS = 4096
+MAX_LR = 1e6  # far above any rate that trains, far below where an fp32 update overflows (3.4e38)
+DATASET_TOKENS = 2**20  # the default data set: about a million tokens, whatever the number of steps
 
 
 def _check_data_fits(cfg: RunConfig) -> None:
-    """The data set is generated whole in every process, as 64-bit token ids (data.TokenDataset: two streams
-    for a decoder, three for T5, and the chain's sequences while they are made): it must fit the machine."""
+    """The data set is generated whole in every process, as 64-bit token ids (data.TokenDataset: two streams for a
+    decoder, three for T5, and the chain's sequences while they are made): it must fit the machine."""
     from multigpu.models import default_seq_len, family
 
     streams = 2 if family(cfg.model) != "t5" else 3
@@ -310,10 +311,9 @@ def _check_data_fits(cfg: RunConfig) -> None:
     except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to compare with
         return
     if per_process * cfg.processes > ram:
-        raise ConfigError(f"the data set ({cfg.num_samples:,} samples = dataset_size, or global_batch_size x steps) "
-                          f"takes {per_process / 2**30:,.1f} GiB in each of {cfg.processes} process(es), more than "
-                          f"this machine's {ram / 2**30:,.1f} GiB of memory; give a smaller --dataset-size (the "
-                          "sampler starts a new epoch when it runs out), fewer steps or a smaller batch")
+        raise ConfigError(f"the data set ({cfg.num_samples:,} samples) takes {per_process / 2**30:,.1f} GiB in each of "
+                          f"{cfg.processes} process(es), more than this machine's {ram / 2**30:,.1f} GiB of memory; "
+                          "give a smaller --dataset-size (the sampler starts a new epoch when it runs out) or batch")
 
 
 def _check_checkpointing(cfg: RunConfig) -> None:
@@ -322,9 +322,8 @@ def _check_checkpointing(cfg: RunConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or not low <= value <= MAX_STEPS):
-            raise ConfigError(f"{name} must be a whole number from {low} to {MAX_STEPS}, or None, got {value!r}")
-    if cfg.steps > MAX_STEPS:
-        raise ConfigError(f"steps must be at most {MAX_STEPS}, got {cfg.steps}")
+            raise ConfigError(f"{name} must be a whole number from {low} to {MAX_STEPS} (--{name.replace('_', '-')} N, "
+                              f"or leave it out), got {value!r}")
     if cfg.resume is not None:  # before any process starts: the checkpoint is there, whole, and fits this run
         from multigpu.checkpoint import CheckpointError, compatibility_problems, read_meta, resolve
 

@@ -61,7 +61,13 @@ CANNOT = {
     "pp-interleaved": "as pp-gpipe (the library's pipelines)",
     "pp-zbv": "as pp-gpipe (the library's pipelines)",
     "pp-dualpipev": "as pp-gpipe (the library's pipelines)",
+    "fsdp --ep": "as ep-scratch (fsdp cuts the experts with the same dispatch)",
 }
+# the largest plan a dry run takes: its fake group and meshes keep a map of every rank, and each micro-batch of
+# the step runs (Llama 3 405B trained on 16,384 GPUs; a micro-batch of 16 x 8,192 tokens per GPU)
+MAX_WORLD = 2**14
+MAX_MICRO_BATCHES = 64
+MAX_MICRO_TOKENS = 2**24
 
 
 @dataclass
@@ -95,15 +101,43 @@ def plan(strategy: str, world_size: int, model: str, **options) -> RunConfig:
     """A RunConfig for a world this machine does not have, checked as a real run's is (the grid's arithmetic,
     the model's cuts), but not against this machine's cores and memory. The global batch defaults to one sample
     per data-parallel rank and micro-batch."""
-    if strategy in CANNOT:
-        runs = ", ".join(s for s in STRATEGIES if s not in CANNOT)
-        raise ConfigError(f"strategy {strategy!r} cannot be dry-run: {CANNOT[strategy]}. Those that can: {runs}")
+    refuse_world(strategy, world_size)
     cfg = RunConfig(strategy=strategy, world_size=world_size, model=model, **options)
     if "global_batch_size" not in options:
         cfg.global_batch_size = cfg.grid.dp * cfg.grad_accum_steps
     if "optimizer" not in options:
         cfg.optimizer = "adamw"
-    return cfg.validate(on_this_machine=False)
+    refuse(cfg.validate(on_this_machine=False))
+    return cfg
+
+
+def refuse_world(strategy: str, world_size: int | None) -> None:
+    """A ConfigError if `strategy` cannot be dry-run (`CANNOT`) or the world is larger than `MAX_WORLD`."""
+    if strategy in CANNOT:
+        runs = ", ".join(s for s in STRATEGIES if s not in CANNOT)
+        raise ConfigError(f"strategy {strategy!r} cannot be dry-run: {CANNOT[strategy]}. Those that can: {runs}")
+    if isinstance(world_size, int) and world_size > MAX_WORLD:
+        raise ConfigError(f"a dry run plans at most {MAX_WORLD:,} ranks (--world-size; Llama 3 405B trained on "
+                          f"16,384 GPUs): its fake group and meshes keep a map of every rank, so a larger world takes "
+                          f"minutes and gigabytes of this machine's memory; got {world_size:,}")
+
+
+def refuse(cfg: RunConfig) -> None:
+    """A ConfigError saying why a validated `cfg` cannot be dry-run (`refuse_world`, its micro-batches), if so."""
+    from multigpu.models import default_seq_len
+
+    refuse_world(cfg.strategy, cfg.world_size)
+    if cfg.grad_accum_steps > MAX_MICRO_BATCHES:
+        raise ConfigError(f"a dry run executes each micro-batch of its step: give at most {MAX_MICRO_BATCHES} "
+                          f"(--grad-accum-steps; each holds and sends what the first does), got {cfg.grad_accum_steps}")
+    tokens = cfg.micro_batch_size * (cfg.seq_len or default_seq_len(cfg.model))
+    if tokens > MAX_MICRO_TOKENS:
+        raise ConfigError(f"a micro-batch of {cfg.micro_batch_size:,} samples is {tokens:,} tokens per rank, more than "
+                          f"the {MAX_MICRO_TOKENS:,} a dry run takes; give a smaller --global-batch-size or more "
+                          "--grad-accum-steps")
+    if cfg.strategy == "fsdp" and cfg.grid.ep > 1:
+        raise ConfigError(f"fsdp --ep {cfg.grid.ep} cannot be dry-run: {CANNOT['ep-scratch']}; fsdp --ep 1 "
+                          "(the experts whole on every rank) can")
 
 
 def roles(cfg: RunConfig) -> dict[str, int]:
@@ -126,7 +160,6 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
     """One step of `cfg` (from `plan`) as rank `rank` of its world, on fake tensors and a fake group."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.utils.data import default_collate
 
     from multigpu import moe, strategies
     from multigpu.data import TokenDataset
@@ -154,10 +187,10 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
             moe.configure(model, cfg.extra)
             par = strategies.prepare(model, cfg, rt)
             del model
-            # one micro-batch of random ids, made as the training loop's loader makes it (the data set's layout,
-            # T5's decoder inputs too, collated into tensors of their own), used for every micro-batch
+            # one micro-batch of random ids, laid out as the training loop's loader makes it (the data set's streams,
+            # T5's decoder inputs too, each a tensor of its own, as collated), used for every micro-batch
             data = TokenDataset(cfg.model, "dummy", micro, seq_len, vocab_size(cfg.model), cfg.seed)
-            batches = [default_collate([data[i] for i in range(micro)])] * cfg.grad_accum_steps
+            batches = [{k: v.clone() for k, v in data.tensors.items()}] * cfg.grad_accum_steps
             autocast = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(cfg.dtype)
             par.run_step(batches, autocast)  # the first step makes what is made once (optimizer state, buffers)
             tracker = _NewStorages({t.untyped_storage()._cdata for t in _tensors(par)})

@@ -68,7 +68,8 @@ def _whole(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a whole number >= 1{' or None' if allow_none else ''}, got {value!r}")
+        left_out = ", or leave it out" if allow_none else ""
+        raise ConfigError(f"{name} must be a whole number >= 1 (--{name} N{left_out}), got {value!r}")
 
 
 def resolve_grid(strategy: str, world_size: int, *, tp: int = 1, pp: int = 1, dp: int | None = None,

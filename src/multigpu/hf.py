@@ -93,6 +93,22 @@ def load_config(config_path: str | Path):
     return AutoConfig.for_model(model_type, **values)
 
 
+# the counts and sizes of a config.json that a model is built from (and divides by): each a whole number >= 1
+SIZE_SETTINGS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings", "num_local_experts",
+                 "num_experts_per_tok", "n_embd", "n_layer", "n_head", "n_positions", "d_model", "d_ff", "d_kv",
+                 "num_layers", "num_decoder_layers", "num_heads")
+
+
+def size_problem(config: dict) -> str | None:
+    """What is wrong with the first count or size in `config` that is not a whole number >= 1 (None: nothing)."""
+    for name in SIZE_SETTINGS:
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"the setting {name!r} is {value!r}; it must be a whole number >= 1 (a count or a size)"
+    return None
+
+
 def build_causal_lm(config_path: str | Path, seed: int = 0) -> nn.Module:
     """AutoModelForCausalLM from a config.json, random weights from `seed`, in the default dtype (fp32), no
     dropout, no cache. The same seed gives the same weights in every process."""

@@ -205,6 +205,10 @@ def read_config_file(path: str) -> dict:
     if not isinstance(config.get("model_type"), str):
         raise ModelConfigError(f"{path} names no model_type; a Hugging Face config.json says which "
                                "architecture it is (e.g. \"model_type\": \"llama\")")
+    from multigpu.hf import size_problem
+
+    if size_problem(config):  # a count a model divides by (heads, layers, sizes), named before it is built
+        raise ModelConfigError(f"{path}: {size_problem(config)}")
     return config
 
 
@@ -310,7 +314,9 @@ def tensor_parallel_problems(name: str, tp: int, seq_len: int, sequence_parallel
              ("MLP width", size["d_ff"]), ("vocabulary", size["vocab"])]
     if sequence_parallel:
         needs.append(("sequence length", seq_len))
-    return list(dict.fromkeys(p for what, n in needs if n for p in split_problems(tp, n, what)))
+    problems = list(dict.fromkeys(p for what, n in needs if n for p in split_problems(tp, n, what)))
+    both = [d for d in range(1, 65) if all(n % d == 0 for _, n in needs if n)]  # what every cut takes at once
+    return problems + [f"the tp values that divide all of these: {', '.join(map(str, both))}"] * (len(problems) > 1)
 
 
 def split_problems(tp: int, count: int, what: str) -> list[str]:

@@ -71,9 +71,9 @@ def options_problems(experts: int, top_k, capacity_factor, aux_loss_coef) -> lis
                         f"(1.0: room for an even share, 1.25: Switch's 25% slack; from experts / k on nothing is "
                         f"dropped), or left out for no limit; got {capacity_factor!r}")
     if isinstance(aux_loss_coef, bool) or not isinstance(aux_loss_coef, (int, float)) or not (
-            math.isfinite(aux_loss_coef) and aux_loss_coef >= 0):
-        problems.append(f"aux_loss_coef (--aux-loss-coef) must be a number >= 0 (Switch uses 0.01), got "
-                        f"{aux_loss_coef!r}")
+            math.isfinite(aux_loss_coef) and 0 <= aux_loss_coef <= MAX_CAPACITY_FACTOR):
+        problems.append(f"aux_loss_coef (--aux-loss-coef) must be a number from 0 to {MAX_CAPACITY_FACTOR:g} (Switch "
+                        f"uses 0.01; a larger weight drowns the model's own loss), got {aux_loss_coef!r}")
     return problems
 
 

@@ -58,6 +58,9 @@ GUIDE_SOURCE = "Hugging Face, Efficient Training on Multiple GPUs, \"Which Strat
 GUIDE_NAMES = {"DDP": ("DDP",), "ZeRO": ("ZeRO",), "TP": ("TP", "ZeRO+TP"),
                "PP": ("PP", "PP+DP", "PP+TP", "PP+TP+DP"), "PP+TP+DP": ("PP+TP+DP",)}
 
+MAX_GPUS = 2**20  # the advice's machines: far beyond any built, small enough that their grids are listed at once
+MAX_GLOBAL_BATCH = 2**30  # samples per step: beyond any published run's batch by orders of magnitude
+
 # the data-parallel plans weighed (the strategy table's `advised`: ddp, zero1, zero2 and fsdp, the
 # package's production ZeRO-3)
 ADVISED = tuple(name for name, s in STRATEGY_TABLE.items() if s.advised)
@@ -202,15 +205,24 @@ def advise(base: Setup, gpus: int | None = None, memory_bytes: int | None = None
     given by counts compute at that GPU's datasheet peaks, not an H100's. A `base` asked on_cuda (as
     `python -m multigpu advise` asks: its machines are GPUs) is estimated with the GPU's kernels, and, where it
     gives none, with cuBLAS's workspaces of the machine's GPU."""
+    from multigpu.estimator.question import check_setup
+
+    check_setup(replace(base, strategy="single", world_size=1, tp=1, pp=1, cp=1))  # the lengths, before any use
+    if gpus is not None and not isinstance(gpus, bool) and gpus > MAX_GPUS:
+        raise ConfigError(f"--gpus must be at most {MAX_GPUS:,} (the largest clusters built hold a few hundred "
+                          f"thousand), got {gpus:,}")
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or not 1 <= global_batch <= MAX_GLOBAL_BATCH):
+        raise ConfigError(f"--global-batch must be a whole number of samples from 1 to {MAX_GLOBAL_BATCH:,}, got "
+                          f"{global_batch!r}; leave it out for about half a million tokens per step")
     machine = _machine(machine, gpus, memory_bytes, nodes, interconnect, gpu)
     if base.on_cuda and not base.cuda_workspace_bytes:
         base = replace(base, cuda_workspace_bytes=cublas_workspace_bytes(gpu or machine.gpu.name))
     memory = memory_bytes or machine.gpu.memory_bytes
     if memory <= 0:
         raise ConfigError(f"the memory of one GPU of {machine.name} is not known: give it (e.g. 16GiB)")
-    global_batch = global_batch or default_global_batch(base.seq_len, machine.gpus)
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise ConfigError(f"the global batch must be a whole number of samples, at least 1; got {global_batch!r}")
+    if global_batch is None:
+        global_batch = default_global_batch(base.seq_len, machine.gpus)
     found = plans(base, machine, memory, global_batch, overlap)
     if not found:
         raise ConfigError(f"a global batch of {global_batch} does not split over the data-parallel ranks of any "
@@ -376,4 +388,6 @@ def _microbatch_problem(setup: Setup) -> str | None:
 
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """n's divisors, ascending, by trial division up to its square root (a billion answers at once)."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]

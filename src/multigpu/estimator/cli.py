@@ -37,6 +37,7 @@ def cmd_estimate(args) -> int:
                   cuda_workspace_bytes=cublas_workspace_bytes(args.gpu), on_cuda=_on_cuda(args),
                   dropout=not args.no_dropout, attention=args.attention,
                   tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel)
+    _check_question(setup, args.batch_size)  # before the model is traced (seconds for a large one)
     device = "cuda" if setup.on_cuda else "cpu"
     calibration = None if args.uncalibrated else machine_calibration(device, model_shape(setup.model).family)
     if args.max_batch:
@@ -72,7 +73,7 @@ def cmd_estimate(args) -> int:
         print(f"    {k:<12}{_gib(v):>12}")
     if context or setup.cuda_workspace_bytes:
         print(f"  'other' includes {_gib(context)} assumed for the CUDA context (--cuda-context to change) and "
-              f"{_gib(setup.cuda_workspace_bytes)} for cuBLAS's two workspaces on a {args.gpu}")
+              f"{_gib(setup.cuda_workspace_bytes)} for cuBLAS's two workspaces on each {args.gpu}")
     if machine is not None:
         print(f"  the machine's own peak, calibrated: {_gib(machine)} ({calibration.describe()})")
     elif not args.uncalibrated and total:
@@ -84,6 +85,23 @@ def cmd_estimate(args) -> int:
     print(f"  method: {result.method}")
     print(f"  answered in {out['seconds']:.1f} s")
     return 0
+
+
+def _check_question(setup, batch_size: int | None) -> None:
+    """The numbers of an estimate's question in range, and the batch split over the ranks, before any tracing."""
+    from multigpu.estimator.advise import MAX_GLOBAL_BATCH, MAX_GPUS
+    from multigpu.estimator.peak import _per_rank_batch
+    from multigpu.estimator.question import check_setup
+
+    if not 1 <= setup.world_size <= MAX_GPUS:
+        raise ConfigError(f"--world-size must be a whole number from 1 to {MAX_GPUS:,}, got {setup.world_size:,}")
+    check_setup(setup)  # the strategy, the degrees, the lengths, the accumulation steps
+    if setup.grad_accum_steps > MAX_GLOBAL_BATCH:
+        raise ConfigError(f"--grad-accum-steps must be at most {MAX_GLOBAL_BATCH:,}, got {setup.grad_accum_steps:,}")
+    if batch_size is not None:
+        if batch_size > MAX_GLOBAL_BATCH:
+            raise ConfigError(f"--batch-size must be at most {MAX_GLOBAL_BATCH:,} samples, got {batch_size:,}")
+        _per_rank_batch(setup, batch_size)
 
 
 def _on_cuda(args) -> bool:
@@ -129,16 +147,24 @@ def cmd_advise(args) -> int:
 
 def _dry_run_plans(advice) -> None:
     """The recommended plan and the runner-up, dry-run at their full size (multigpu.dryrun), their measurements
-    beside the estimates the advice rests on."""
+    beside the estimates the advice rests on; a plan of many micro-batches as one (a pipeline's schedule whole)."""
+    from dataclasses import replace
+
     from multigpu.estimator.held import config_of, report
+    from multigpu.estimator.question import PIPELINES
 
     for title, plan in (("recommended", advice.plan), ("runner-up", advice.plans[1] if len(advice.plans) > 1
                                                        else None)):
         if plan is None:
             continue
         print(f"\n{title}, dry-run: {plan.label} on {plan.setup.world_size} ranks")
+        setup, batch, m = plan.setup, plan.global_batch, plan.setup.grad_accum_steps
+        if m > 1 and setup.strategy not in PIPELINES:  # each micro-batch holds and sends what the first does
+            setup, batch = replace(setup, grad_accum_steps=1), batch // m
+            print(f"  (one of its {m} micro-batches of {plan.memory.per_rank_batch} sample(s) per rank, as a step of "
+                  f"{batch} samples: each micro-batch holds the same, and a dry run executes every one)")
         try:
-            cfg = config_of(plan.setup, plan.global_batch)
+            cfg = config_of(setup, batch)
         except ConfigError as e:
             print(f"  not dry-run: {e}")
             continue

@@ -112,8 +112,8 @@ def report(cfg: RunConfig, runs) -> list[str]:
         lines.append(f"{run.role} (rank {run.rank}, {run.coords}): dry run {run.seconds:.2f} s, this process's "
                      f"resident peak {run.max_rss_bytes / 2**30:.2f} GiB")
         lines.append(f"  {'':<22}{'estimator':>16}{'dry run':>16}  difference")
-        for r in rows(cfg, run) or [{"category": c, "estimate": None, "dry_run": run.model_states[c],
-                                     "difference": None} for c in run.model_states]:
+        for r in rows(cfg, run) or [{"category": c, "estimate": None, "dry_run": measured, "difference": None}
+                                    for c, measured in [*run.model_states.items(), ("activations", run.forward_saved)]]:
             unit = (lambda x: f"{x:,}") if r["category"].endswith("calls") else mib
             shown = [unit(x) if x is not None else "-" for x in (r["estimate"], r["dry_run"], r["difference"])]
             lines.append(f"  {r['category']:<22}{shown[0]:>16}{shown[1]:>16}  {shown[2] if r['difference'] else ''}")
