@@ -208,3 +208,11 @@ def test_tp_advice_lists_the_degrees_that_satisfy_every_cut():
         RunConfig(strategy="tp", world_size=3, tp=3).validate()
     wanted = ", ".join(str(d) for d in range(1, 65) if common % d == 0)
     assert f"the tp values that divide all of these: {wanted}" in str(refused.value), str(refused.value)
+
+
+def test_a_negative_fixed_part_reads_as_a_subtraction():
+    """The calibration's fixed part below zero was written "+ -132 MiB"."""
+    from multigpu.estimator.accuracy import Calibration
+
+    fit = Calibration("cuda", "t5", 0.5, -132 * 2**20, 3, "the records", 0.01)
+    assert "activations - 132 MiB" in fit.describe() and "+ -" not in fit.describe(), fit.describe()

@@ -170,7 +170,8 @@ class Calibration:
         return round(result.per_rank_bytes["total"] + self.per_activation * saved_activations(result) + self.fixed)
 
     def describe(self) -> str:
-        return (f"+ {self.per_activation:.2f} x the saved activations + {self.fixed / 2**20:,.0f} MiB, fitted to "
+        return (f"+ {self.per_activation:.2f} x the saved activations {'-' if self.fixed < 0 else '+'} "
+                f"{abs(self.fixed) / 2**20:,.0f} MiB, fitted to "
                 f"{self.runs} {self.family.upper() + ' ' if self.family else ''}runs of {self.source} "
                 f"(worst miss {self.worst_miss:.1%})")
 

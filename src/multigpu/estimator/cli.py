@@ -76,6 +76,9 @@ def cmd_estimate(args) -> int:
               f"{_gib(setup.cuda_workspace_bytes)} for cuBLAS's two workspaces on each {args.gpu}")
     if machine is not None:
         print(f"  the machine's own peak, calibrated: {_gib(machine)} ({calibration.describe()})")
+    elif calibration is not None and not result.global_batch:
+        print(f"  model states only: a {device} machine's own peak is calibrated here for a training step; give "
+              "--batch-size or --max-batch for it")
     elif not args.uncalibrated and total:
         print(f"  no {device} machine's own peak is recorded here ({CALIBRATED_BY} records), so what must fit is "
               f"the tensors alone; `python -m multigpu figures --experiments {CALIBRATED_BY}` on such a machine "
