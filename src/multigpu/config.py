@@ -211,7 +211,7 @@ class RunConfig:
 
         problems = context_problems(self)
         if problems:
-            raise ConfigError(f"cp={self.degrees.get('cp', 1)} cannot cut {self.model}'s sequences: "
+            raise ConfigError(f"context parallelism (cp {self.degrees.get('cp', 1)}) with {self.model}: "
                               + "; ".join(problems))
         _check_run_options(self)
         from multigpu.strategies.ep_scratch import expert_problems

@@ -207,7 +207,8 @@ def advise(base: Setup, gpus: int | None = None, memory_bytes: int | None = None
     gives none, with cuBLAS's workspaces of the machine's GPU."""
     from multigpu.estimator.question import check_setup
 
-    check_setup(replace(base, strategy="single", world_size=1, tp=1, pp=1, cp=1))  # the lengths, before any use
+    check_setup(replace(base, strategy="single", world_size=1, tp=1, pp=1, cp=1, ep=None, sequence_parallel=False,
+                        offload_optimizer=False))  # the lengths, the dtype, the optimizer: before any use
     if gpus is not None and not isinstance(gpus, bool) and gpus > MAX_GPUS:
         raise ConfigError(f"--gpus must be at most {MAX_GPUS:,} (the largest clusters built hold a few hundred "
                           f"thousand), got {gpus:,}")
