@@ -110,3 +110,18 @@ def test_plans_one_line_out_each_refusals_as_errors():
     assert len(out) == 6 and out[0]["step_time_s"] > 0
     assert "give --gpu one of" in out[1]["error"] and "dgx-a100" in out[2]["error"]
     assert "colour" in out[3]["error"] and "not JSON" in out[4]["error"] and "micro-batches" in out[5]["error"]
+
+
+@pytest.mark.slow
+def test_published_runs_table():
+    """The model held against published cluster runs (`estimator.published`, >= 30 rows from >= 4 sources),
+    none of them used to fit it: every row predicted, its error computed. The issue's goal is a median of 10%;
+    this session's model reaches about 15% (its worst rows: small Megatron 2021 layers, DeepSpeed's ZeRO-3 of
+    2021, BLOOM), so the bound here is the state reached, a guard against losing it, not the goal."""
+    from multigpu.estimator.published import ROWS, held, summary
+
+    results = held()
+    assert len(results) == len(ROWS) >= 30 and len({r["source"] for r in results}) >= 4
+    for r in results:
+        assert r["predicted_s"] > 0 and r["error"] == pytest.approx(r["predicted_s"] / r["published_s"] - 1)
+    assert summary(results)["median_abs_error"] <= 0.20, summary(results)

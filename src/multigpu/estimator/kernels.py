@@ -29,7 +29,7 @@ import torch
 from multigpu.errors import ConfigError
 
 PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm"}
-NO_KERNEL = {"device", "_unsafe_view", "empty", "empty_like", "empty_strided", "detach", "lift_fresh", "alias", "_to_copy_noop",
+NO_KERNEL = {"device", "_unsafe_view", "empty", "empty_like", "empty_strided", "detach", "lift_fresh", "alias",
              "set_", "resize_", "_local_scalar_dense", "is_same_size", "new_empty", "new_empty_strided"}
 # torch's multi_tensor_apply (ATen/native/cuda/MultiTensorApply.cuh): one launch holds at most this many
 # chunks of 65,536 elements; a foreach operator launches as many kernels as its tensors need
@@ -71,6 +71,7 @@ class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
         super().__init__()
         self.kernels: list[Kernel] = []
         self.phase, self.inside_attention, self.recording = "forward", False, True
+        self.autocast: str | None = None  # a mixed precision's dtype: CUDA's autocast runs attention in it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -104,16 +105,17 @@ class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
         self.kernels.append(kernel)
 
     def attention(self, sdpa):
-        """`scaled_dot_product_attention` as one fused kernel forward and one backward: its products, whole."""
+        """`scaled_dot_product_attention` as one fused kernel forward and one backward, whatever its mask (a
+        fused kernel takes one): its products, whole."""
         mode = self
 
         class Fused(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, q, k, v, *rest):
+            def forward(ctx, q, k, v, mask, options):
                 mode.inside_attention = True
                 try:
                     with torch.no_grad():
-                        out = sdpa(q, k, v, *rest)
+                        out = sdpa(q, k, v, attn_mask=mask, **options)
                 finally:
                     mode.inside_attention = False
                 ctx.shapes = (q, k, v)
@@ -128,25 +130,18 @@ class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
                     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
                 finally:
                     mode.inside_attention = False
-                return grads
+                return (*grads, None, None)  # (a mask's gradient, T5's position bias's: not priced)
 
-        def call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        def call(query, key, value, attn_mask=None, **options):
             self._attention(query, key, value, self.phase, 1.0)
-            if attn_mask is not None or dropout_p or kwargs:  # a mask or a dropout: the kernel's products, the same
-                self.inside_attention = True
-                try:
-                    return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                **kwargs)
-                finally:
-                    self.inside_attention = False
-            return Fused.apply(query, key, value)
+            return Fused.apply(query, key, value, attn_mask, options)
         return call
 
     def _attention(self, q, k, v, phase, times):
         rows = q.numel() // q.shape[-1]  # batch x heads x queries
         flops = times * 2.0 * rows * k.shape[-2] * (q.shape[-1] + v.shape[-1])
         self._add(Kernel("attention", "attention", phase, flops=flops, size=(flops / 2) ** (1 / 3),
-                         dtype=_DTYPE_NAMES.get(q.dtype, "fp32")))
+                         dtype=self.autocast or _DTYPE_NAMES.get(q.dtype, "fp32")))
 
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -179,9 +174,11 @@ def step_kernels(model: str, micro_batch: int, seq_len: int, dtype: str = "fp32"
     if activation_checkpointing:
         apply_activation_checkpointing(built, activation_checkpointing)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    with fake:
+        ids = torch.randint(shape.vocab_size, (micro_batch, seq_len))
     with fake, even_routing(), _Kernels() as trace, \
             mock.patch("torch.nn.functional.scaled_dot_product_attention", trace.attention(sdpa)):
-        ids = torch.randint(shape.vocab_size, (micro_batch, seq_len))
+        trace.autocast = _DTYPE_NAMES[AUTOCAST[dtype]] if dtype in AUTOCAST else None
         with torch.autocast("cpu", dtype=AUTOCAST.get(dtype, torch.bfloat16), enabled=dtype in AUTOCAST):
             out = built(input_ids=ids, labels=ids)
             loss = out if isinstance(out, torch.Tensor) else out.loss
@@ -200,6 +197,45 @@ def step_kernels(model: str, micro_batch: int, seq_len: int, dtype: str = "fp32"
         trace.recording = True
         step.step()
     return tuple(trace.kernels)
+
+
+LAYER_KEYS = ("n_layer", "num_hidden_layers")  # a config.json's depth: GPT-2's, and Llama's and its kin's
+
+
+def depth(model: str) -> int | None:
+    """The blocks of a decoder given as a config.json, or None (a preset, an encoder-decoder)."""
+    import json
+    from pathlib import Path
+
+    if not Path(model).is_file():
+        return None
+    try:
+        config = json.loads(Path(model).read_text())
+    except (OSError, ValueError):
+        return None
+    return next((config[k] for k in LAYER_KEYS if isinstance(config.get(k), int)), None)
+
+
+@lru_cache(maxsize=64)
+def shallower(model: str, layers: int) -> str:
+    """The config.json `model` with `layers` blocks, written beside the others of its kind in a temporary
+    folder: its kernels are the same but for the blocks', which repeat (a deep model is priced from one and two)."""
+    import hashlib
+    import json
+    import tempfile
+    from pathlib import Path
+
+    config = json.loads(Path(model).read_text())
+    for key in LAYER_KEYS:
+        if key in config:
+            config[key] = layers
+    text = json.dumps(config, sort_keys=True)
+    folder = Path(tempfile.gettempdir()) / "multigpu-shallower"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not path.exists():
+        path.write_text(text)
+    return str(path)
 
 
 def kernel_seconds(kernel: Kernel, compute) -> float:
@@ -248,10 +284,11 @@ def step_seconds(compute, model: str, micro_batch: int, seq_len: int, dtype: str
         grads = model_shape(model).parameters * (2 if dtype == "bf16-master" else 4)
         passes = passes + [Kernel("_foreach_add_", "memory", "backward", bytes=3.0 * grads,
                                   launches=max(1, math.ceil(grads / 4 / FOREACH_CHUNK / FOREACH_CHUNKS_PER_LAUNCH)))]
-    clocks = (0.0, 0.0)
-    for i in range(micro_batches):
-        clocks = timeline(passes if i else [k for k in passes if k.name != "_foreach_add_" or k.phase != "backward"
-                                            or k.launches == 1 or k.bytes == 0], compute, clocks)
+    first = passes[:len(passes) - 1] if micro_batches > 1 else passes  # the first adds no gradients to others
+    clocks = timeline(first, compute)
+    if micro_batches > 1:  # each later micro-batch takes the time of the second
+        second = timeline(passes, compute, clocks)
+        clocks = tuple(b + (micro_batches - 2) * (b - a) for a, b in zip(clocks, second))
     clocks = timeline(tail, compute, clocks)
     busy: dict = {}
     for k in kernels:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from multigpu.errors import ConfigError
 from multigpu.estimator import links
-from multigpu.estimator.kernels import Kernel, StepKernels, step_kernels, timeline
+from multigpu.estimator.kernels import Kernel, depth, shallower, step_kernels, timeline
 from multigpu.estimator.machines import GPU_SHEETS, Machine
 
 DP_KINDS = ("ddp", "zero1", "fsdp")
@@ -32,7 +32,11 @@ NAMED = {  # name: (GPU, GPUs per node, link inside a node, link between nodes)
     "dgx-a100": ("a100-80gb", 8, links.NVLINK3_MEASURED, links.HDR_MEASURED),
     "dgx-h100": ("h100-80gb", 8, links.NVLINK4_MEASURED, links.NDR_MEASURED),
 }
-PLAN_KEYS = ("model", "tp", "pp", "dp", "dp_kind", "micro_batch", "global_batch", "seq_len", "dtype",
+MAX_GPUS = 2**20
+# the largest value each whole-number key takes
+LIMITS = {"tp": MAX_GPUS, "pp": MAX_GPUS, "dp": MAX_GPUS, "virtual_stages": 1024, "micro_batch": 2**20,
+          "seq_len": 2**20, "global_batch": 2**40, "gpus_per_node": 1024, "nodes": MAX_GPUS}
+PLAN_KEYS = ("model", "tp", "pp", "dp", "virtual_stages", "dp_kind", "micro_batch", "global_batch", "seq_len", "dtype",
              "activation_checkpointing", "machine", "gpu", "gpus_per_node", "nodes", "inter", "optimizer")
 
 
@@ -42,6 +46,7 @@ class Plan:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    virtual_stages: int = 1  # a pipeline's stages per rank (interleaved 1F1B from 2)
     dp_kind: str = "ddp"
     micro_batch: int = 1
     global_batch: int | None = None  # default: micro_batch x dp
@@ -73,7 +78,7 @@ def _machine(plan: Plan) -> tuple[Machine, str]:
         gpu, per_node = plan.gpu, plan.gpus_per_node
         intra = links.NVLINK3_MEASURED if gpu.startswith("a100") else links.NVLINK4_MEASURED
         rate = 400.0 if plan.inter is None else plan.inter
-        if rate <= 0:
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < 1e6:
             raise ConfigError(f"--inter {rate}: give the network's Gb/s per GPU, a positive number (e.g. 400)")
         inter = replace(links.NDR_MEASURED, name=f"{rate:g} Gb/s per GPU, priced by EFA v4's curve scaled",
                         bandwidth_bytes_per_s=links.NDR_MEASURED.bandwidth_bytes_per_s * rate / 400,
@@ -120,7 +125,8 @@ def _setups(plan: Plan):
                   activation_checkpointing=plan.activation_checkpointing, grad_accum_steps=m, on_cuda=True,
                   dropout=False)
     if plan.pp > 1:
-        return Setup(strategy="pp-1f1b", world_size=plan.world, tp=plan.tp, pp=plan.pp, **common), None, 1
+        kind = "pp-interleaved" if plan.virtual_stages > 1 else "pp-1f1b"
+        return Setup(strategy=kind, world_size=plan.world, tp=plan.tp, pp=plan.pp, **common), None, 1
     kind = {"ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp"}[plan.dp_kind]
     if plan.tp == 1:
         return Setup(strategy=kind if plan.dp > 1 else "single", world_size=plan.dp, **common), None, 1
@@ -133,12 +139,20 @@ def predict(plan: Plan) -> dict:
     """The plan's step, estimated: seconds, tokens/s per GPU, MFU, and where the time goes."""
     from multigpu.estimator.flops import sample_flops
     from multigpu.estimator.formulas import bubble_over_ideal
+    from multigpu.estimator.question import MAX_SEQ_LEN
     from multigpu.estimator.rates import gpu_compute
     from multigpu.estimator.step_time import backward_share, collectives, group_link
 
-    for name in ("tp", "pp", "dp", "micro_batch", "seq_len"):
-        if not isinstance(getattr(plan, name), int) or getattr(plan, name) < 1:
-            raise ConfigError(f"{name} must be a positive whole number, got {getattr(plan, name)!r}")
+    for name, most in LIMITS.items():
+        value = getattr(plan, name)
+        if value is None and name in ("global_batch", "nodes"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise ConfigError(f"{name} must be a whole number from 1 to {most:,}, got {value!r}")
+    if plan.seq_len > MAX_SEQ_LEN:
+        raise ConfigError(f"seq_len {plan.seq_len:,} is beyond any model here; give at most {MAX_SEQ_LEN:,}")
+    if plan.world > MAX_GPUS:
+        raise ConfigError(f"tp x pp x dp = {plan.world:,} GPUs; give at most {MAX_GPUS:,}")
     if plan.dp_kind not in DP_KINDS:
         raise ConfigError(f"dp_kind must be one of {', '.join(DP_KINDS)}, got {plan.dp_kind!r}")
     global_batch = plan.global_batch or plan.micro_batch * plan.dp
@@ -149,11 +163,7 @@ def predict(plan: Plan) -> dict:
     machine, gpu = _machine(plan)
     compute = gpu_compute(gpu)
     m = global_batch // (plan.micro_batch * plan.dp)
-    passes, tail = _rank_kernels(plan)
-    clocks = (0.0, 0.0)
-    for _ in range(m):
-        clocks = timeline(passes, compute, clocks)
-    compute_s = max(timeline(tail, compute, clocks))
+    compute_s, busy = _compute(plan, compute, m)
     first, data, cut = _setups(plan)
     traffic = [t for t in collectives(first, plan.micro_batch * m * (first.grid.dp if data is None else 1))
                if data is None or t.dim != "dp"]
@@ -168,9 +178,11 @@ def predict(plan: Plan) -> dict:
         if not isinstance(link, links.CurveLink):
             raise ConfigError(f"{machine.name}: no measured curve for its link {link.name}")
         calls = t.calls
-        if t.dim == "pp" and t.kind == "send" and t.calls:  # the critical path's transfers: 2 (m + p - 1)
-            calls = 2 * (m + plan.pp - 1)
-            seconds = link.seconds("send", calls * t.payload_bytes / t.calls, 2, share, calls)
+        if t.dim == "pp" and t.kind == "send" and t.calls:  # the critical path's transfers, 2 v (m + p - 1), each
+            # tensor-parallel rank sending its 1/tp of the activation (Megatron's scatter/gather, Narayanan et al.
+            # 2021, section 4.1)
+            calls = 2 * plan.virtual_stages * (m + plan.pp - 1)
+            seconds = link.seconds("send", calls * t.payload_bytes / t.calls / plan.tp, 2, share, calls)
         else:
             seconds = link.seconds(t.kind, t.payload_bytes, 2 if t.kind == "send" else t.group_size, share, calls)
         comm[t.dim] += seconds
@@ -179,14 +191,10 @@ def predict(plan: Plan) -> dict:
         else:
             exposed[t.dim] += seconds
     exposed = {d: exposed[d] + max(0.0, comm[d] - exposed[d] - hidden.get(d, 0.0)) for d in comm}
-    bubble = compute_s * bubble_over_ideal(plan.pp, m, 1) if plan.pp > 1 else 0.0
+    bubble = compute_s * bubble_over_ideal(plan.pp, m, plan.virtual_stages) if plan.pp > 1 else 0.0
     total = compute_s + bubble + sum(exposed.values())
     model_flops = sample_flops(plan.model, plan.seq_len).model * global_batch
     peak = machine.gpu.fp32_flops if plan.dtype == "fp32" else machine.gpu.bf16_flops
-    busy: dict = defaultdict(float)
-    for k in passes:
-        busy[k.kind] += m * _seconds(k, compute)
-    busy["optimizer"] = sum(_seconds(k, compute) for k in tail)
     return {"step_time_s": total, "tokens_per_s_per_gpu": global_batch * plan.seq_len / total / plan.world,
             "mfu": model_flops / (total * plan.world * peak), "compute_s": compute_s,
             "gpu_busy_s": dict(busy), "bubble_s": bubble, "comm_s": dict(comm), "exposed_comm_s": exposed,
@@ -195,10 +203,32 @@ def predict(plan: Plan) -> dict:
                 [machine.inter.source] if machine.inter is not None else [])}
 
 
-def _seconds(k: Kernel, compute) -> float:
+def _walk(plan: Plan, compute, m: int) -> tuple[float, dict]:
+    """(seconds, the GPU's busy time by kind) of one rank's compute in a step: m micro-batches, the optimizer."""
     from multigpu.estimator.kernels import kernel_seconds
 
-    return kernel_seconds(k, compute)
+    passes, tail = _rank_kernels(plan)
+    clocks = (0.0, 0.0)
+    walked = [clocks := timeline(passes, compute, clocks) for _ in range(min(m, 2))]
+    if m > 2:  # every micro-batch after the first takes the second's time
+        clocks = tuple(b + (m - 2) * (b - a) for a, b in zip(*walked))
+    busy: dict = defaultdict(float)
+    for k in passes:
+        busy[k.kind] += m * kernel_seconds(k, compute)
+    busy["optimizer"] = sum(kernel_seconds(k, compute) for k in tail)
+    return max(timeline(tail, compute, clocks)), dict(busy)
+
+
+def _compute(plan: Plan, compute, m: int) -> tuple[float, dict]:
+    """`_walk`; a deep decoder given as a config.json walked at one block and at two, and the second block's
+    cost added once for each further block (the blocks are the same)."""
+    layers = depth(plan.model)
+    if layers is None or layers <= 2:
+        return _walk(plan, compute, m)
+    (one, busy_one), (two, busy_two) = (_walk(replace(plan, model=shallower(plan.model, n)), compute, m)
+                                        for n in (1, 2))
+    return one + (layers - 1) * (two - one), {k: busy_one[k] + (layers - 1) * (busy_two[k] - busy_one[k])
+                                              for k in busy_one}
 
 
 def plan_from(d: dict) -> Plan:
@@ -266,6 +296,8 @@ def add_predict_command(sub) -> None:
     p.add_argument("--model", default=None, help="a preset (gpt2, ...) or a config.json")
     for name in ("tp", "pp", "dp"):
         p.add_argument(f"--{name}", type=int, default=None)
+    p.add_argument("--virtual-stages", dest="virtual_stages", type=int, default=None,
+                   help="a pipeline's stages per rank (interleaved 1F1B)")
     p.add_argument("--dp-kind", dest="dp_kind", choices=DP_KINDS, default=None,
                    help="data parallelism as DDP, Megatron's distributed optimizer (zero1) or FSDP")
     p.add_argument("--micro-batch", dest="micro_batch", type=int, default=None)
