@@ -160,12 +160,12 @@ def _dry_run_plans(advice) -> None:
                                                        else None)):
         if plan is None:
             continue
-        print(f"\n{title}, dry-run: {plan.label} on {plan.setup.world_size} ranks")
+        print(f"\n{title}, dry-run: {plan.label} on {plan.setup.world_size} ranks", flush=True)  # (it takes a while)
         setup, batch, m = plan.setup, plan.global_batch, plan.setup.grad_accum_steps
         if m > 1 and setup.strategy not in PIPELINES:  # each micro-batch holds and sends what the first does
             setup, batch = replace(setup, grad_accum_steps=1), batch // m
             print(f"  (one of its {m} micro-batches of {plan.memory.per_rank_batch} sample(s) per rank, as a step of "
-                  f"{batch} samples: each micro-batch holds the same, and a dry run executes every one)")
+                  f"{batch} samples: each micro-batch holds the same, and a dry run executes every one)", flush=True)
         try:
             cfg = config_of(setup, batch)
         except ConfigError as e:
