@@ -7,12 +7,17 @@ results folder), each rank's trace for Perfetto or chrome://tracing.
 The categories, from each operator's own time (its children's not counted twice): the matrix
 products, attention's fused kernels, the collectives (with what waits for them, and FSDP's copies
 into and out of its gathers and reductions), the optimizer's step (every operator under it), every
-other operator, and the time outside any operator (Python, the framework, waiting: a pipeline's
-bubble is there).
+other operator, and the time outside any operator (on a CPU: Python, the framework, waiting; a
+pipeline's bubble is there).
 On a GPU the operators' time is their kernels' on the device (each kernel counted once, under the
 operator that launched it: the profiler lists the kernels themselves too, and the labelled ranges'
-copies on the device); on a CPU the threads' time, which for an autograd thread beside the main
-one can add up to more than the wall clock.
+copies on the device), and the time outside any operator is when the device ran no kernel. An NCCL
+kernel runs from when its stream reaches it until its peers arrive, so there "communication"
+includes waiting for peers (a pipeline's bubble is in its receive kernels), and kernels on
+different streams overlap, so the categories can add up to more than the step. The time a rank
+computed nothing (`idle`, from the timeline) is the bubble on both. On a CPU the operators' time is
+the threads', which for an autograd thread beside the main one can add up to more than the wall
+clock.
 """
 
 from __future__ import annotations
@@ -64,8 +69,11 @@ def breakdown(prof, device_type: str, wall_s: float, top: int = 8) -> dict:
 
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     by_operator: dict = {}
+    kernels = []
     for event in prof.events():
         if device_type == "cuda" and (event.device_type != DeviceType.CPU or event.is_user_annotation):
+            if event.device_type != DeviceType.CPU and not event.is_user_annotation:
+                kernels.append((event.time_range.start / 1e6, event.time_range.end / 1e6))
             continue  # a kernel (or a labelled range's copy on the device): its operator counts its time already
         own = event.self_device_time_total if device_type == "cuda" else event.self_cpu_time_total
         if own > 0:
@@ -73,7 +81,10 @@ def breakdown(prof, device_type: str, wall_s: float, top: int = 8) -> dict:
             seconds[kind] += own / 1e6
             ops = by_operator.setdefault(kind, {})
             ops[event.name] = ops.get(event.name, 0.0) + own / 1e6
-    seconds["outside operators"] = max(0.0, wall_s - sum(seconds.values()))
+    if device_type == "cuda":  # when no kernel ran (overlapping streams' kernels counted once)
+        seconds["outside operators"] = max(0.0, wall_s - sum(b - a for a, b in merged(kernels)))
+    else:
+        seconds["outside operators"] = max(0.0, wall_s - sum(seconds.values()))
     largest = {kind: dict(sorted(ops.items(), key=lambda item: -item[1])[:top]) for kind, ops in by_operator.items()}
     return {**seconds, "step": wall_s, "largest": largest}
 
@@ -155,14 +166,20 @@ def timeline(prof, device_type: str, wall_s: float) -> dict:
     from torch.autograd import DeviceType
 
     compute, comm, waits = [], [], []
-    for e in prof.events():
+    events = list(prof.events())
+    launchers = {e.id: e for e in events if e.device_type == DeviceType.CPU  # the operators (a kernel links to one)
+                 and not getattr(e, "linked_correlation_id", 0)} if device_type == "cuda" else {}
+    for e in events:
         span = (e.time_range.start / 1e6, e.time_range.end / 1e6)
         on_device = e.device_type == DeviceType.CUDA
         if device_type == "cuda" and on_device and not e.is_user_annotation:  # kernels, not labelled ranges
+            launcher = launchers.get(getattr(e, "linked_correlation_id", 0))
             if _is_collective(e.name):
                 comm.append(span)
-            elif not e.name.startswith(("Memcpy", "Memset")):
-                compute.append(span)
+            elif e.name.startswith(("Memcpy", "Memset")):
+                continue
+            elif launcher is None or category(launcher.name, _under(launcher)) != "communication":
+                compute.append(span)  # not a collective's copies (FSDP's into its gathers): as on a CPU
         elif device_type != "cuda" and not on_device:
             if _is_collective(e.name):
                 comm.append(span)
@@ -177,6 +194,13 @@ def timeline(prof, device_type: str, wall_s: float) -> dict:
     rows["compute"] = without(rows["compute"], rows.pop("waits"))
     busy = sum(b - a for a, b in rows["communication"])
     return {**rows, "hidden": overlap(rows["compute"], rows["communication"]) / busy if busy else None}
+
+
+def idle(profile: dict) -> float:
+    """The seconds of a profiled step (a record's profile: "seconds" and "timeline") in which the rank computed
+    nothing: the step less its compute spans. A pipeline's bubble, on a GPU too, where NCCL's receive kernel spins
+    through it and the breakdown files it under communication."""
+    return max(0.0, profile["seconds"]["step"] - sum(b - a for a, b in profile["timeline"]["compute"]))
 
 
 class StepProfiler:
