@@ -326,3 +326,19 @@ def test_the_summary_says_what_the_run_was(monkeypatch, capsys):
                  "median of 1 step)", "saved by ddp on dp 2 x pp 1 x tp 1", "capacity factor 0.5",
                  "25.0% of a step's routed tokens dropped"):
         assert said in out, (said, out)
+
+
+def test_deepspeeds_first_build_is_announced(monkeypatch, tmp_path, capsys):
+    """DeepSpeed's first run on a CPU builds its C++ extension (over a minute, silent otherwise): said once, until
+    the extension is there."""
+    record = {"peak_memory_bytes_by_rank": [{}], "provenance": {"backend": "gloo"}, "parameters": 10, "loss": [5.0],
+              "step_time_s": None}
+    monkeypatch.setattr(importlib.import_module("multigpu.launch"), "launch", lambda *args, **kwargs: record)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    argv = ["run", "--strategy", "deepspeed-moe", "--world-size", "2", "--model", "gpt-moe-tiny"]
+    assert cli.main(argv) == 0
+    assert "DeepSpeed builds its C++ extension on its first run" in capsys.readouterr().err
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    assert cli.main(argv) == 0
+    assert "C++ extension" not in capsys.readouterr().err
