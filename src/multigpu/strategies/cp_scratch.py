@@ -50,7 +50,9 @@ def context_problems(cfg) -> list[str]:
     cp = cfg.degrees.get("cp", 1)
     asked = [k for k in ("cp_attention", "cp_balance") if k in (cfg.extra or {})]
     if cp == 1:
-        return [f"{' and '.join(asked)} choose how context parallelism cuts the sequence; this run has cp 1: give "
+        flags = " and ".join("--" + k.replace("_", "-") for k in asked)
+        verb = "chooses" if len(asked) == 1 else "choose"
+        return [f"{flags} {verb} how context parallelism cuts the sequence; this run has cp 1: give "
                 "--cp N (or --strategy cp-scratch), or leave them out"] if asked else []
     problems = []
     if variant not in cpa.VARIANTS:
