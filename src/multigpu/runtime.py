@@ -224,6 +224,8 @@ def init(device_type: str, timeout_s: float = 300) -> Runtime:
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
+        if interface := gloo_interface():  # for the checkpoints' gloo group beside NCCL (check_host_group)
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     else:
         device, backend = torch.device("cpu"), "gloo"
     # device_id binds NCCL to this GPU now: start-up errors surface here, and barriers know
@@ -241,6 +243,77 @@ def init(device_type: str, timeout_s: float = 300) -> Runtime:
     return Runtime(rank, local_rank, world_size, device, backend)
 
 
+def gloo_interface(environ=os.environ, names: list[str] | None = None) -> str | None:
+    """The network interface gloo's groups should use when only NCCL_SOCKET_IFNAME names one: NCCL's
+    first match among this machine's interfaces (`names`), its entries prefixes ("eth"), or exact
+    names after "=" ("=eth0"). None: GLOO_SOCKET_IFNAME is set already, NCCL's is unset or an
+    exclusion ("^docker"), or nothing here matches it."""
+    import socket
+
+    spec = environ.get("NCCL_SOCKET_IFNAME", "").strip()
+    if environ.get("GLOO_SOCKET_IFNAME") or not spec or spec.startswith("^"):
+        return None
+    exact, spec = spec.startswith("="), spec.removeprefix("=")
+    names = [name for _, name in socket.if_nameindex()] if names is None else names
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        found = [n for n in names if n == entry or (not exact and n.startswith(entry))]
+        if found:
+            return found[0]
+    return None
+
+
+def check_host_group(timeout_s: float = 300) -> None:
+    """Make and drop a gloo group over every rank, as checkpoints make theirs (at a run's first save or
+    resume). Gloo binds to the address the host name resolves to, or to GLOO_SOCKET_IFNAME's interface;
+    across nodes that must be routable, which NCCL alone (its own interface) never needed: a run on
+    NCCL that checkpoints checks it here, at its start, not at its first save."""
+    try:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        dist.barrier(group=group)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"checkpoints need a gloo group over every rank, and gloo could not make one "
+            f"({str(err).splitlines()[0] if str(err) else type(err).__name__}): set GLOO_SOCKET_IFNAME to "
+            f"the network interface the nodes reach each other on (NCCL_SOCKET_IFNAME's, if it names one)"
+        ) from None
+    dist.destroy_process_group(group)
+
+
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def process_groups() -> list:
+    """The process groups this process is in (WORLD's too), in the order they were made: the same order on
+    every rank, since making a group is collective."""
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+
+
+def _kept_by_deepspeed() -> set:
+    """The groups DeepSpeed keeps for its next engine in this process (deepspeed.utils.groups holds them by name
+    and hands them out again: destroyed, they would fail the next run)."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    found = set()
+    for value in vars(groups).values() if groups else ():
+        for g in value.values() if isinstance(value, dict) else (value,):
+            if isinstance(g, dist.ProcessGroup):
+                found.add(g)
+            elif isinstance(g, dist.DeviceMesh):  # its mesh_device, where a config asks for one
+                found.update(g.get_all_groups())
+    return found
+
+
+def destroy_groups_since(before: list, device: torch.device) -> int:
+    """Destroy the process groups made since `before` (an earlier process_groups()), in the order they were
+    made, but those DeepSpeed keeps; return how many. On every rank between two runs of a series: each NCCL
+    communicator a run used holds buffers on the GPU, outside the caching allocator, until it is destroyed."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # nothing of the run still queued on a communicator's stream
+    kept = set(before) | _kept_by_deepspeed()
+    made = [g for g in process_groups() if g not in kept]
+    for group in made:
+        dist.destroy_process_group(group)
+    return len(made)

@@ -144,34 +144,48 @@ def main(argv=None) -> NoReturn:
     args.out.mkdir(parents=True, exist_ok=True)  # a launcher other than ours may not have made it
 
     def body(rank: int) -> None:
-        from multigpu.train import train
-
         given = json.loads(args.config.read_text())
-        series = given if isinstance(given, list) else [given]
         guarded = device_guard.install_if_asked()  # the test suite checks the device rule in every run
         rt = runtime.init(args.device)
-        for i, data in enumerate(series):
-            out = args.out / f"run{i}" if isinstance(given, list) else args.out
-            out.mkdir(exist_ok=True)
-            cfg = RunConfig.from_dict(data)
-            result = train(cfg, rt, keep_params=args.save_params)
-            state_dict = result.pop("state_dict")
-            gathered = [None] * rt.world_size
-            dist.all_gather_object(gathered, result)
-            if rt.local_rank == 0:  # every node's launcher gets the record (all ranks have every result)
-                if args.save_params:
-                    torch.save(state_dict, out / "params.pt")
-                record = build_record(cfg, rt, gathered)
-                record["device_rule_checked"] = guarded  # every collective's tensor was on the rank's device
-                write_atomic(out / "record.json", json.dumps(record).encode())
-            del result, state_dict, gathered
-            if isinstance(given, list):  # the next run of the series starts as a fresh process would
-                from multigpu.strategies.deepspeed import restore_torch_linear
-
-                restore_torch_linear()
-            dist.barrier()
+        if rt.backend == "nccl" and any(c.get("checkpoint_dir") or c.get("resume")
+                                        for c in (given if isinstance(given, list) else [given])):
+            runtime.check_host_group()  # an unroutable gloo interface fails now, not at the first save
+        run_configs(given, rt, args.out, save_params=args.save_params, guarded=guarded)
 
     run_worker(args.out, body)
+
+
+def run_configs(given: dict | list, rt, out_dir: Path, save_params: bool = False, guarded: bool = False) -> list:
+    """Train one config (a RunConfig as a dict) into out_dir, or each of a list (a series) into out_dir/run<i>;
+    the first rank of each node writes the record. Each run of a series ends as a fresh process would: the
+    process groups it made destroyed (their number, per run, is returned), ZeRO-3's patch undone."""
+    from multigpu.train import train
+
+    destroyed = []
+    for i, data in enumerate(given if isinstance(given, list) else [given]):
+        out = out_dir / f"run{i}" if isinstance(given, list) else out_dir
+        out.mkdir(exist_ok=True)
+        before = runtime.process_groups()
+        cfg = RunConfig.from_dict(data)
+        result = train(cfg, rt, keep_params=save_params)
+        state_dict = result.pop("state_dict")
+        gathered = [None] * rt.world_size
+        dist.all_gather_object(gathered, result)
+        if rt.local_rank == 0:  # every node's launcher gets the record (all ranks have every result)
+            if save_params:
+                torch.save(state_dict, out / "params.pt")
+            record = build_record(cfg, rt, gathered)
+            record["device_rule_checked"] = guarded  # every collective's tensor was on the rank's device
+            write_atomic(out / "record.json", json.dumps(record).encode())
+        del result, state_dict, gathered
+        if isinstance(given, list):  # the next run of the series starts as a fresh process would
+            from multigpu.strategies.deepspeed import restore_torch_linear
+
+            restore_torch_linear()
+            dist.barrier()  # every rank is past the run's last collective on its groups
+            destroyed.append(runtime.destroy_groups_since(before, rt.device))
+        dist.barrier()
+    return destroyed
 
 
 if __name__ == "__main__":
