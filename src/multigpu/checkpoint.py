@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
@@ -299,7 +300,7 @@ def load(path: str | Path, par, cfg, rt) -> dict:
         meta = read_meta(path)
     try:
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # (DCP's own is a BaseException)
         raise damaged(path, f".metadata cannot be read ({type(err).__name__})") from None
     # DeepSpeed from a canonical checkpoint: every whole tensor read on every rank, then handed to the engine
     whole_for_deepspeed = names == "deepspeed" and meta["names"] == "canonical"
@@ -335,9 +336,11 @@ def load(path: str | Path, par, cfg, rt) -> dict:
             raise CheckpointError(f"cannot continue from {path}: DeepSpeed found no engine state in it")
     try:
         dcp.load(state, checkpoint_id=path, process_group=dist.group.WORLD)
-    except Exception as err:  # a file damaged at its size in a checkpoint saved before checksums
-        first = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
-        raise damaged(path, f"DCP could not read it ({type(err).__name__}: {first})") from err
+    except (Exception, CheckpointException) as err:  # a file damaged at its size, saved before checksums
+        failures = getattr(err, "failures", None)
+        what = f"on ranks {sorted(failures)}: {type(next(iter(failures.values()))[0]).__name__}" if failures \
+            else (str(err).strip().splitlines() or [""])[0][:120]
+        raise damaged(path, f"DCP could not read it ({type(err).__name__} {what})") from err
     if wholes is not None:
         fill_local(how["state"], how["places"], wholes)
     elif whole_for_deepspeed:
