@@ -109,7 +109,8 @@ def report(cfg: RunConfig, runs) -> list[str]:
 
     lines = []
     for run in runs:
-        lines.append(f"{run.role} (rank {run.rank}, {', '.join(f'{k} {v}' for k, v in run.coords.items())}): dry run {run.seconds:.2f} s, this process's "
+        where = ", ".join(f"{k} {v}" for k, v in run.coords.items())
+        lines.append(f"{run.role} (rank {run.rank}, {where}): dry run {run.seconds:.2f} s, this process's "
                      f"resident peak {run.max_rss_bytes / 2**30:.2f} GiB")
         lines.append(f"  {'':<22}{'estimator':>16}{'dry run':>16}  difference")
         for r in rows(cfg, run) or [{"category": c, "estimate": None, "dry_run": measured, "difference": None}

@@ -136,6 +136,8 @@ NVLINK4 = Link("NVLink 4 through NVSwitch", 450e9, 10e-6,
                "NVIDIA H100 datasheet: 900 GB/s of NVLink per GPU, both directions together")
 NVLINK3 = Link("NVLink 3 through NVSwitch", 300e9, 10e-6,
                "NVIDIA A100 datasheet: 600 GB/s of NVLink per GPU, both directions together")
+NVLINK2 = Link("NVLink 2 (V100 SXM2)", 150e9, 10e-6,
+               "NVIDIA V100 datasheet (SXM2): 300 GB/s of NVLink per GPU, both directions together")
 PCIE4 = Link("PCIe Gen4 x16", 31.5e9, 10e-6,
              "PCI-SIG PCIe 4.0: 16 GT/s per lane x 16 lanes, 128b/130b encoding = 31.5 GB/s each way")
 _NETWORK_ALPHA = "assumption: 20 us per collective call between nodes (a network hop is slower than NVLink)"
@@ -162,7 +164,8 @@ def generic_machine(gpus: int, nodes: int, memory_bytes: int, fast: bool, gpu: s
     """A machine given only by counts and memory (the CLI's --gpus --nodes --gpu-memory
     --interconnect), and perhaps the GPU's name (--gpu, a key of GPU_SHEETS), which brings that
     GPU's datasheet peaks; without one, H100 SXM compute (an assumption, said by its name). Links:
-    NVLink 4 inside a node, and between nodes 8 x 400 Gb/s InfiniBand (fast) or one 100 Gb/s
+    inside a node the named GPU's own (V100: NVLink 2, A100: NVLink 3, H100/H200: NVLink 4, cards: PCIe
+    Gen4; NVLink 4 without a name), and between nodes 8 x 400 Gb/s InfiniBand (fast) or one 100 Gb/s
     Ethernet port (slow), assumed whatever the GPU."""
     if gpus < 1 or nodes < 1 or gpus % nodes:
         raise ConfigError(f"--gpus ({gpus}) must be a positive multiple of --nodes ({nodes})")
@@ -172,9 +175,16 @@ def generic_machine(gpus: int, nodes: int, memory_bytes: int, fast: bool, gpu: s
                    memory_bytes=memory_bytes) if gpu else \
         replace(H100_SXM, name=f"a GPU of {memory_bytes / 2**30:.0f} GiB, computing as an H100 SXM (assumption)",
                 memory_bytes=memory_bytes)
-    return Machine(f"{gpus} GPUs in {nodes} node(s), NVLink 4 inside, {'fast' if fast else 'slow'} links between "
-                   "(assumed)", chip, gpus // nodes, nodes, NVLINK4, IB_NDR_X8 if fast else ETH_100G,
+    intra = _LINK_OF.get(gpu, NVLINK4)
+    return Machine(f"{gpus} GPUs in {nodes} node(s), {intra.name} inside, {'fast' if fast else 'slow'} links "
+                   "between (assumed)", chip, gpus // nodes, nodes, intra, IB_NDR_X8 if fast else ETH_100G,
                    fast_between_nodes=fast)
+
+
+# the link inside a node that each named GPU comes with (SXM boards: their NVLink generation; cards: PCIe)
+_LINK_OF = {"v100-16gb": NVLINK2, "v100-32gb": NVLINK2, "a100-40gb": NVLINK3, "a100-80gb": NVLINK3,
+            "h100-80gb": NVLINK4, "h200-141gb": NVLINK4, "a10-24gb": PCIE4, "l4-24gb": PCIE4, "l40s-48gb": PCIE4,
+            "rtx4090-24gb": PCIE4}
 
 
 def describe(machine: Machine) -> list[str]:
