@@ -300,3 +300,23 @@ def test_an_exported_checkpoint_is_a_transformers_gpt2_computing_the_same_logits
     ids = torch.randint(0, ours.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(theirs(ids).logits, ours(input_ids=ids), atol=1e-5, rtol=1e-5)
+
+
+def test_a_checkpoint_of_plain_sgd_holds_no_optimizer_state_and_still_exports(tmp_path):
+    """Plain SGD keeps no optimizer state, so its checkpoint holds the weights alone: reading it whole (and so
+    `export`) gives the weights, the very ones the run ended with, instead of a KeyError 'optimizer'."""
+    import subprocess
+    import sys
+
+    from multigpu import reshard
+    from multigpu.models import build_model
+
+    ck = tmp_path / "ck"
+    done = subprocess.run([sys.executable, "-m", "multigpu", "run", "--strategy", "single", "--model", "gpt-tiny",
+                           "--steps", "1", "--optimizer", "sgd", "--checkpoint-dir", str(ck), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    tensors, meta = reshard.whole(ck)
+    assert tensors and all(k.startswith("model.") for k in tensors), sorted(tensors)[:3]
+    weights, _ = checkpoint.whole_weights(ck)
+    assert set(weights) == set(build_model("gpt-tiny").state_dict())

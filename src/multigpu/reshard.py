@@ -41,7 +41,8 @@ def whole(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp, "whole.pt"))
         state = torch.load(Path(tmp, "whole.pt"), weights_only=False)
-    return flat_state({k: state[k] for k in ("model", "optimizer")}), meta
+    # plain SGD keeps no optimizer state: its checkpoint holds the weights alone
+    return flat_state({k: state[k] for k in ("model", "optimizer") if k in state}), meta
 
 
 def canonical_copy(path: str | Path, make: bool = True) -> Path:
