@@ -10,7 +10,7 @@ import re
 import pytest
 
 from multigpu import config
-from multigpu.config import ConfigError, RunConfig, max_cpu_workers
+from multigpu.config import DATASET_TOKENS, ConfigError, RunConfig, max_cpu_workers
 from multigpu.models import PRESETS
 
 
@@ -159,10 +159,10 @@ def test_derived_sizes():
     cfg = RunConfig(strategy="ddp", world_size=4, grad_accum_steps=2, global_batch_size=32, steps=5)
     assert cfg.per_rank_batch_size == 32 // 4
     assert cfg.micro_batch_size == 32 // (4 * 2)
-    # about a million tokens, whatever the steps: a run saved after some steps continues on the same data
-    assert cfg.num_samples == 2**20 // 64 == cfg.replace(steps=500).num_samples  # gpt-tiny's 64 tokens
-    assert cfg.replace(seq_len=48).num_samples == -(-(2**20) // 48)
-    assert cfg.replace(global_batch_size=2**16).num_samples == 2**16  # at least one global batch
+    # about 16,000 tokens, whatever the steps: a run saved after some steps continues on the same data
+    assert cfg.num_samples == DATASET_TOKENS // 64 == cfg.replace(steps=500).num_samples  # gpt-tiny's 64 tokens
+    assert cfg.replace(seq_len=48).num_samples == -(-DATASET_TOKENS // 48)
+    assert cfg.replace(global_batch_size=2**12).num_samples == 2**12  # at least one global batch
     assert cfg.replace(dataset_size=100).num_samples == 100
     assert cfg.processes == 4
     # dp: N replicas are threads of one process; the batch still splits N ways

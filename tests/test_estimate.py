@@ -181,7 +181,7 @@ def test_unsupported_config_and_count_only_activations_are_explained(tmp_path):
                           ({**gpt2, "n_layer": None}, "positive whole number"),
                           ({k: v for k, v in gpt2.items() if k != "n_layer"}, "needs the setting 'n_layer'"),
                           (gpt2, "split evenly over the 3 attention heads"),
-                          ({"model_type": "t5", "d_model": "wide"}, "cannot build a t5 model")]:
+                          ({"model_type": "t5", "d_model": "wide"}, "the setting 'd_model' is 'wide'")]:
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps(content))
         model_shape.cache_clear()

@@ -59,7 +59,7 @@ def compatibility_problems(meta: dict, cfg) -> list[str]:
                  if meta["same_run"][k] != getattr(cfg, k)]
     if problems:
         hint = "" if "num_samples" not in str(problems) else (
-            " (the data set is --dataset-size samples, or about a million tokens whatever the steps: give both "
+            " (the data set is --dataset-size samples, or about 16,000 tokens whatever the steps: give both "
             "runs the same --dataset-size, or leave it out in both)")
         return [f"it was saved by a run with {', '.join(problems)}: the weights or the data would not continue{hint}"]
     if meta["steps_done"] > cfg.steps or (meta["steps_done"] == cfg.steps and not cfg.checkpoint_dir):

@@ -296,7 +296,8 @@ MAX_STEPS = 10**9  # steps, samples and checkpoint intervals are counted in 64-b
 MAX_SEED = 2**62  # a 64-bit signed seed, with room for the sampler's seed + epoch
 MAX_THREADS = 4096
 MAX_LR = 1e6  # far above any rate that trains, far below where an fp32 update overflows (3.4e38)
-DATASET_TOKENS = 2**20  # the default data set: about a million tokens, whatever the number of steps
+DATASET_TOKENS = 2**14  # the default data set: about 16,000 tokens, whatever the number of steps (held in every
+# process: a larger one shows in the process's memory, beside what the estimator counts)
 
 
 def _check_data_fits(cfg: RunConfig) -> None:
