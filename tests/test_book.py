@@ -210,3 +210,21 @@ def test_executed_here_names_the_machine_and_versions():
 
     line = records.executed_here()
     assert records.machine_tag() in line and torch.__version__ in line and platform.python_version() in line
+
+
+def test_the_committed_calculator_grid_is_current():
+    """The calculator's grid is committed (computing it takes minutes, CI's clean clone would pay them every
+    time): it must be the one the package's current source computes, and a grid that `make book` computed
+    again must be committed, else every clean clone computes it again."""
+    import subprocess
+
+    from multigpu.estimator.calculator import GRID_FILE, is_current
+
+    rebuild = "run `.venv/bin/python -m multigpu.estimator.calculator` (minutes) and commit it"
+    name = GRID_FILE.relative_to(ROOT)
+    assert is_current(GRID_FILE), f"{name} is older than the source it was computed from: {rebuild}"
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", str(GRID_FILE)], cwd=ROOT, capture_output=True)
+    if b"not a git repository" in tracked.stderr:
+        pytest.skip("not a git checkout: whether the grid is committed cannot be asked")
+    changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(GRID_FILE)], cwd=ROOT, capture_output=True)
+    assert tracked.returncode == 0 and changed.returncode == 0, f"{name} was computed again, not committed: commit it"

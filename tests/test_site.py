@@ -277,10 +277,11 @@ def calculator_page(browser):
 
 
 def test_the_calculator_grid_is_the_packages_current_one(calculator_page):
-    from multigpu.estimator.calculator import source_hash
+    from multigpu.estimator.calculator import GRID_FILE, is_current, stamp_of
 
     made = calculator_page.evaluate("window.multigpuCalculator.grid.made_by")
-    assert made["source"] == source_hash(), "the site's calculator grid is older than src/: run make book again"
+    assert is_current(GRID_FILE), "the calculator's grid is older than src/: run make book again"
+    assert made["source"] == stamp_of(GRID_FILE)[0], "the site's calculator grid is not the book's: run make book again"
 
 
 def test_the_calculator_answers_as_the_estimator_does(calculator_page, tmp_path):

@@ -1,18 +1,15 @@
-"""Writes the memory calculator's grid (multigpu.estimator.calculator) into the site's _static/ before
-the pages are built, so that the chapter "Choosing a strategy" answers in the page itself.
-The grid is made again only when the package's source changed (about a minute on two cores).
-Sphinx copies static files only when some page is rebuilt, so a new grid marks the page that
-uses it out of date: a reader who pulls a new package and runs `make book` gets its grid."""
+"""Keeps the memory calculator's grid (multigpu.estimator.calculator) current before the pages are built,
+so that the chapter "Choosing a strategy" answers in the page itself. The grid is committed
+(book/_static/calculator-grid.js, which the site's _static/ takes): it is computed again, in place, only
+when the package's source files it was computed from, or torch's or transformers' versions, have changed
+(minutes on two cores); commit it then (tests/test_book.py fails until it is). Sphinx copies static files
+only when some page is rebuilt, so a new grid marks the page that uses it out of date."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 PAGE = "book/choosing"  # the page whose calculator reads the grid
-
-
-def _grid_path(app) -> Path:
-    return Path(app.confdir) / "_build" / "static" / "calculator-grid.js"
 
 
 def _first_line(path: Path) -> str | None:
@@ -25,7 +22,10 @@ def _first_line(path: Path) -> str | None:
 def _write_grid(app) -> None:
     from multigpu.estimator import calculator
 
-    target = _grid_path(app)
+    # builds before the grid was committed wrote it into _build/static, which the site's _static/ also
+    # takes: two files of one name would collide there
+    (Path(app.confdir) / "_build" / "static" / "calculator-grid.js").unlink(missing_ok=True)
+    target = calculator.GRID_FILE
     before = _first_line(target)
     calculator.write(target)
     app.config._multigpu_grid_changed = _first_line(target) != before

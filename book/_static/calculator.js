@@ -164,7 +164,7 @@
   const made = document.createElement("p");
   made.className = "mgc-made";
   const by = GRID.made_by;
-  made.textContent = `Precomputed by multigpu ${by.package} (commit ${by.commit || "unknown"}, torch ${by.torch}) ` +
+  made.textContent = `Precomputed by multigpu ${by.package} (source ${by.source}, torch ${by.torch}) ` +
     `over ${Object.keys(GRID.entries).length} settings, ${GRID.seq_len} tokens per sample (and ` +
     `${GRID.seq_lens.filter((n) => n !== GRID.seq_len).join(" or ")} for ${GRID.long_strategies.join(", ")}); ` +
     "cp-scratch cuts every sample over all the GPUs; a pipeline runs " +

@@ -14,9 +14,14 @@ The optimizer changes one category only (`model_states`), so it is stored apart,
 with what its step allocates beside the states (`peak.optimizer_step_temporary`): Adam's
 temporaries make an "optimizer step" phase, which SGD's step, updating in place, does not have.
 
-The grid is written at build time by book/_ext/calculator.py into the site's _static/;
-tests/test_site.py asks the page for sampled setups and batches and compares with `estimate`
-and `predict_largest_batch`.
+The grid is committed (book/_static/calculator-grid.js, `GRID_FILE`): it takes minutes to compute, and
+a clean clone (CI's, a reader's) would compute it again for every build. Its first line names what it
+was computed from: the package's source files its computation imported (each worker process lists
+its own) and torch's and transformers' versions, with their hash. `make book` (book/_ext/calculator.py)
+computes it again when that hash has changed; tests/test_book.py fails when the committed grid is
+not current, and says to run `python -m multigpu.estimator.calculator` and commit the file;
+tests/test_site.py asks the page for sampled setups and batches and compares with `estimate` and
+`predict_largest_batch`.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -46,7 +52,6 @@ from multigpu.estimator.share import rank_shares
 from multigpu.memory import CATEGORIES
 from multigpu.models import max_seq_len
 from multigpu.recompute import recompute_mode
-from multigpu.records import CHECKOUT, _git_commit
 from multigpu.strategy_table import ESTIMATED
 
 SEQ_LEN = 256  # tokens per sample of every setting
@@ -174,12 +179,46 @@ def key(model: str, strategy: str, gpus: int, tp: int, dtype: str, checkpointing
     return f"{model}|{strategy}|{gpus}|{tp}|{dtype}|{recompute_mode(checkpointing) or 'none'}|{seq_len}"
 
 
-def source_hash() -> str:
-    """What the grid depends on: the package's source files."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(multigpu.__file__).parent.rglob("*.py")):
-        digest.update(path.name.encode() + path.read_bytes())
+GRID_FILE = Path(__file__).resolve().parents[3] / "book" / "_static" / "calculator-grid.js"  # in a checkout
+STAMP = "// multigpu calculator grid, source "  # then the hash, " of ", and the source files it hashes
+
+
+def _imported_sources() -> list[str]:
+    """The package's source files this process has imported, relative to the package's folder."""
+    root = Path(multigpu.__file__).resolve().parent
+    return sorted(str(Path(module.__file__).resolve().relative_to(root)) for name, module in list(sys.modules.items())
+                  if name.split(".")[0] == "multigpu" and getattr(module, "__file__", None))
+
+
+def source_hash(sources: list[str]) -> str:
+    """What a grid computed from these source files (and this torch and transformers) depends on."""
+    import transformers
+
+    root = Path(multigpu.__file__).resolve().parent
+    digest = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    for name in sources:
+        path = root / name
+        digest.update(name.encode() + (path.read_bytes() if path.exists() else b"(gone)"))
     return digest.hexdigest()[:16]
+
+
+def stamp_of(path: Path) -> tuple[str, list[str]] | None:
+    """(hash, source files) that a grid file's first line names, or None (no file, or not a grid)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    with path.open() as f:
+        line = f.readline().rstrip("\n")
+    if not line.startswith(STAMP) or " of " not in line:
+        return None
+    found, _, sources = line[len(STAMP):].partition(" of ")
+    return found, sources.split()
+
+
+def is_current(path: Path) -> bool:
+    """Whether the grid in `path` was computed from the package's source files and versions as they are now."""
+    stamp = stamp_of(path)
+    return stamp is not None and stamp[0] == source_hash(stamp[1])
 
 
 def _entries(label: str, model: str, seq: int) -> dict:
@@ -197,51 +236,69 @@ def _entries(label: str, model: str, seq: int) -> dict:
     return entries
 
 
-def grid(workers: int | None = None) -> dict:
-    """Every entry, computed by `workers` processes (default: one per core; the pieces are a model at a
-    length, taken in turn), in the same order whatever their number."""
+def _piece(label: str, model: str, seq: int) -> tuple[dict, list[str]]:
+    """A worker's piece of the grid, and the source files its process has imported so far."""
+    return _entries(label, model, seq), _imported_sources()
+
+
+def _header() -> tuple[dict, list[str]]:
+    """What the page reads beside the entries (the choices, the GPUs, the figures' colours), and the source
+    files its process has imported."""
+    from multigpu.plots import COLORS  # the figures' colours for the categories
+
+    return {
+        "seq_len": SEQ_LEN, "seq_lens": [SEQ_LEN, *LONG_SEQ_LENS], "long_strategies": list(LONG_STRATEGIES),
+        "microbatches_per_stage": MICROBATCHES_PER_STAGE,
+        "categories": list(CATEGORIES), "step_phase": STEP_PHASE,
+        "colors": dict(COLORS), "strategies": list(STRATEGIES),
+        "gpus": list(GPU_COUNTS), "tp": list(TP_DEGREES), "dtypes": list(DTYPES), "optimizers": list(OPTIMIZERS),
+        "recomputation": list(RECOMPUTATION),
+        "memory": {name: size for name, size in GPUS.items()},
+        "gpu_overhead": {name: gpu_overhead(name) for name in GPUS}, "unnamed_gpu_overhead": gpu_overhead(None),
+        "cuda_context": DEFAULT_CUDA_CONTEXT,
+    }, _imported_sources()
+
+
+def grid(workers: int | None = None) -> tuple[dict, list[str]]:
+    """(every entry, the source files their computation imported), computed by `workers` spawned processes
+    (default: one per core; the pieces are a model at a length, taken in turn), in the same order whatever
+    their number. Spawned, also for one worker: a fresh interpreter, not a fork of one that holds torch's
+    threads, and one whose imports are the grid's own (what `source_hash` hashes)."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
-
-    from multigpu.plots import COLORS  # the figures' colours for the categories
 
     with tempfile.TemporaryDirectory() as folder:
         named = models(Path(folder))
         pieces = [(label, model, seq) for label, model in named.items() for seq in (SEQ_LEN, *LONG_SEQ_LENS)
                   if seq == SEQ_LEN or (model_shape(model).family != "t5" and (max_seq_len(model) or 0) >= seq)]
         workers = max(1, min(workers or os.cpu_count() or 1, len(pieces)))
-        if workers == 1:
-            found = [_entries(*piece) for piece in pieces]
-        else:  # spawned: a fresh interpreter each, not a fork of one that holds torch's threads
-            with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-                found = list(pool.map(_entries, *zip(*pieces)))
-        entries = {k: v for part in found for k, v in part.items()}
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            header = pool.submit(_header)
+            found = list(pool.map(_piece, *zip(*pieces)))
+            header, sources = header.result()
+        entries = {k: v for part, _ in found for k, v in part.items()}
+        sources = sorted(set(sources).union(*(imported for _, imported in found)))
         parameters = {label: model_shape(model).parameters for label, model in named.items()}
-    return {
-        "made_by": {"package": multigpu.__version__, "commit": _git_commit() if CHECKOUT else None,
-                    "source": source_hash(), "torch": torch.__version__},
-        "seq_len": SEQ_LEN, "seq_lens": [SEQ_LEN, *LONG_SEQ_LENS], "long_strategies": list(LONG_STRATEGIES),
-        "microbatches_per_stage": MICROBATCHES_PER_STAGE,
-        "categories": list(CATEGORIES), "step_phase": STEP_PHASE,
-        "colors": dict(COLORS), "models": parameters, "strategies": list(STRATEGIES),
-        "gpus": list(GPU_COUNTS), "tp": list(TP_DEGREES), "dtypes": list(DTYPES), "optimizers": list(OPTIMIZERS),
-        "recomputation": list(RECOMPUTATION),
-        "memory": {name: size for name, size in GPUS.items()},
-        "gpu_overhead": {name: gpu_overhead(name) for name in GPUS}, "unnamed_gpu_overhead": gpu_overhead(None),
-        "cuda_context": DEFAULT_CUDA_CONTEXT,
-        "entries": entries,
-    }
+    import transformers
+
+    made_by = {"package": multigpu.__version__, "source": source_hash(sources), "torch": torch.__version__,
+               "transformers": transformers.__version__}
+    return {"made_by": made_by, **header, "models": parameters, "entries": entries}, sources
 
 
-def write(path: Path) -> Path:
-    """The grid as a script that sets `window.MULTIGPU_GRID`; rewritten only when the package's
-    source changed since it was written."""
+def write(path: Path = GRID_FILE) -> Path:
+    """The grid as a script that sets `window.MULTIGPU_GRID`; computed again only when it is not current
+    (`is_current`)."""
     path = Path(path)
-    stamp = f"// multigpu calculator grid, source {source_hash()}\n"
-    if path.exists() and path.read_text().startswith(stamp):
+    if is_current(path):
         return path
+    found, sources = grid()
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(grid(), separators=(",", ":"))
-    path.write_text(stamp + f"window.MULTIGPU_GRID = {text};\n")
+    text = json.dumps(found, separators=(",", ":"))
+    path.write_text(f"{STAMP}{found['made_by']['source']} of {' '.join(sources)}\n"
+                    f"window.MULTIGPU_GRID = {text};\n")
     return path
 
+
+if __name__ == "__main__":  # python -m multigpu.estimator.calculator: the committed grid, computed again if stale
+    print(write(Path(sys.argv[1]) if len(sys.argv) > 1 else GRID_FILE))
