@@ -21,8 +21,12 @@ $(STAMP): requirements.txt pyproject.toml
 
 install: $(STAMP)  ## create .venv and install the pinned dependencies and the package
 
+# The test modules are spread over worker processes (pytest-xdist), a module's tests in one worker, since
+# modules share runs through their own caches; tests/conftest.py sizes the workers for this machine's cores
+# (TEST_WORKERS=1 runs them one at a time, in this process).
+TEST_WORKERS ?= auto
 test: $(STAMP)  ## run the whole test suite (unit, parity on 2 and 4 processes, chapters)
-	$(PY) -m pytest
+	$(PY) -m pytest $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # Not part of `make test` (pytest does not collect tests/gpu_check.py): two steps of every strategy
 # family over NCCL against one GPU, the estimator against the CUDA allocator, the chapters' GPU live

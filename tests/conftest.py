@@ -56,6 +56,19 @@ def run_dirs(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A default process group of one rank (gloo, a file store under tmp_path), for the tests of what calls
+    collectives in this process (the device guard, the comm counter, the checkpoint's writer)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def processes_mentioning():
     """processes_mentioning(text) -> command lines of live processes that contain text."""
@@ -115,3 +128,36 @@ def committed_records(monkeypatch, tmp_path_factory):
     from gpu_shaped import only_committed_records
 
     only_committed_records(monkeypatch, tmp_path_factory)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`make test`'s worker count (pytest -n auto): one per two cores, and at least two. A parity test
+    starts 2 to 8 training processes (and torchrun), which spend much of their time waiting on each other
+    and on starting Python; two workers keep a 2-core machine busy while one waits, and one per two cores
+    leaves a 16-core machine's cores to the processes the tests start."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(2, cores // 2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def threads_shared_among_workers():
+    """Under pytest-xdist, the tests that compute in this process (traces, dry runs, the estimator) share the
+    cores with the other workers: torch's threads are this worker's share of them, not every core."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // workers))
+    yield
+
+
+# The modules that take longest (minutes on 2 cores, measured with pytest --durations), first: pytest-xdist
+# hands whole modules to its workers in the order collected, and one started last would run alone at the end.
+LONGEST_FIRST = ("test_parity", "test_gpu_chapters", "test_checkpoint", "test_estimate", "test_site", "test_gpu_shaped",
+                 "test_install", "test_cli", "test_predict", "test_answers", "test_calibration", "test_launch")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each module's own order kept
