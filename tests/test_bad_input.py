@@ -6,49 +6,27 @@ In-process and fast: parsing and validation only; what would start work raises `
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import io
 import time
 
 import pytest
 
+from cli_outcome import outcome, start
 from multigpu import __main__ as cli
-
-
-class Started(Exception):
-    """Raised where a command would start its work (a launch, a trace, a dry run): the input passed every check."""
-
-
-def _start(*args, **kwargs):
-    raise Started
 
 
 @pytest.fixture
 def stopped(monkeypatch):
     """Every place a command starts work, stopped: torchrun, the experiments, the dry run, the estimator."""
-    monkeypatch.setattr(importlib.import_module("multigpu.launch"), "_run", _start)
-    monkeypatch.setattr("multigpu.experiments.run.run_experiment", _start)
+    monkeypatch.setattr(importlib.import_module("multigpu.launch"), "_run", start)
+    monkeypatch.setattr("multigpu.experiments.run.run_experiment", start)
     for name in ("dry_run", "dry_runs"):
-        monkeypatch.setattr(f"multigpu.dryrun.{name}", _start)
+        monkeypatch.setattr(f"multigpu.dryrun.{name}", start)
     for name in ("estimate", "predict_largest_batch"):
-        monkeypatch.setattr(f"multigpu.estimator.peak.{name}", _start)
-    monkeypatch.setattr("multigpu.estimator.advise.estimate", _start)
-    monkeypatch.setattr("multigpu.estimator.accuracy.machine_calibration", _start)
-    monkeypatch.setattr("multigpu.estimator.predict._compute", _start)
-
-
-def outcome(argv: list[str]) -> tuple[str, str]:
-    """('started' | 'exit N', stderr) of `python -m multigpu <argv>` with the work stopped (`stopped`)."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = cli.main(argv)
-        except Started:
-            return "started", err.getvalue()
-        except SystemExit as exit_:  # argparse: a value of the wrong type
-            code = exit_.code
-    return f"exit {code}", err.getvalue()
+        monkeypatch.setattr(f"multigpu.estimator.peak.{name}", start)
+    monkeypatch.setattr("multigpu.estimator.advise.estimate", start)
+    monkeypatch.setattr("multigpu.estimator.accuracy.machine_calibration", start)
+    monkeypatch.setattr("multigpu.estimator.predict._compute", start)
 
 
 def numeric_flags() -> list[tuple[str, str, type]]:
@@ -184,8 +162,8 @@ def test_dryrun_refuses_what_it_cannot_run_at_once(argv, message):
 def test_estimate_checks_its_question_before_tracing_the_model(monkeypatch):
     """--seq-len 0, a batch that does not split over the ranks, --world-size 0: refused before the model is traced
     (each was refused after 14 to 24 s of tracing)."""
-    monkeypatch.setattr("multigpu.estimator.accuracy.machine_calibration", _start)
-    monkeypatch.setattr("multigpu.estimator.model_trace._activation_costs", _start)
+    monkeypatch.setattr("multigpu.estimator.accuracy.machine_calibration", start)
+    monkeypatch.setattr("multigpu.estimator.model_trace._activation_costs", start)
     base = ["estimate", "--model", "gpt2", "--strategy", "fsdp", "--world-size", "4", "--gpu", "a100-80gb"]
     for extra, message in ((["--seq-len", "0"], "sequence lengths must be at least 1"),
                            (["--batch-size", "3"], "must be a positive multiple of world size"),

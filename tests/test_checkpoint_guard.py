@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from multigpu import checkpoint, checkpoint_guard
 from multigpu.config import ConfigError, RunConfig
@@ -195,15 +194,6 @@ def test_a_resume_under_another_layout_records_the_saved_runs_losses(tmp_path):
 
 
 # -- the asynchronous save's staging and writer (one process, gloo) ------------------------------------------
-
-
-@pytest.fixture
-def one_process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _checkpointer(tmp_path: Path) -> checkpoint.Checkpointer:

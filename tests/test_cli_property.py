@@ -8,21 +8,16 @@ into a message)."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from multigpu import __main__ as cli
+from cli_outcome import outcome as cli_outcome
+from cli_outcome import start
 
 launch_module = importlib.import_module("multigpu.launch")  # the module (the package exports its function)
-
-
-class Started(Exception):
-    """Raised where `launch` would start torchrun: the input passed every check."""
 
 
 ODD = ["0", "-1", "-0", "1", "2", "3", "8", "1e308", "-1e308", "1e-308", "nan", "inf", "-inf", "", " ", "garbage",
@@ -46,20 +41,9 @@ BASE = {"run": ["--strategy", "ddp", "--world-size", "2"], "check": ["--strategy
 
 def outcome(argv: list[str], monkeypatch) -> tuple[str, str]:
     """('started' | 'exit N', stderr) of `python -m multigpu <argv>`, stopped before workers."""
-    def start(*args, **kwargs):
-        raise Started
-
     monkeypatch.setattr(launch_module, "_run", start)
     monkeypatch.setattr("multigpu.experiments.run.run_experiment", start)  # what run_experiments calls
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = cli.main(argv)
-        except Started:
-            return "started", err.getvalue()
-        except SystemExit as exit_:  # argparse: a value of the wrong type
-            code = exit_.code
-    return f"exit {code}", err.getvalue()
+    return cli_outcome(argv)
 
 
 @pytest.mark.timeout(120)

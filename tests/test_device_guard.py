@@ -24,15 +24,6 @@ class _Pipeline:
         return dist.group.WORLD
 
 
-@pytest.fixture
-def one_process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_host_tensor_in_a_pipeline_broadcast_fails(one_process_group):
     """G2 as it was: the loss made without a device and broadcast over the pipeline group."""
     with watching(), pytest.raises(DeviceRuleError, match=r"dist\.broadcast at .*pp_split\.py.*made on the host"):

@@ -118,16 +118,6 @@ def test_ddp_steady_state_step_only_all_reduces():
 
 # -- CommCounter, unit --------------------------------------------------------------------
 
-@pytest.fixture
-def one_process_group(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

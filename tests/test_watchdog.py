@@ -26,6 +26,20 @@ def _gone(tmp_path: Path, processes_mentioning) -> bool:
     return not processes_mentioning(str(tmp_path)) and not list(tmp_path.glob("multigpu-run-*"))
 
 
+def _killed_leaves_nothing(launcher: subprocess.Popen, started, tmp_path: Path, processes_mentioning):
+    """Once `started()` returns (it waits for the run to start), SIGKILL to `launcher`: every process naming tmp_path
+    and the run's folder are gone within GONE_WITHIN_S."""
+    try:
+        started()
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        _wait_for(lambda: _gone(tmp_path, processes_mentioning), GONE_WITHIN_S,
+                  f"every process and the run's folder gone; left: {processes_mentioning(str(tmp_path))}")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 def test_workers_that_print_nothing_stop_when_the_launcher_is_killed(tmp_path, processes_mentioning):
     """Workers that would run ten minutes without a word (a long step: nothing they write to the dead launcher's
     pipe stops them) are gone within seconds of the launcher's SIGKILL, with the run's folder."""
@@ -37,16 +51,10 @@ def test_workers_that_print_nothing_stop_when_the_launcher_is_killed(tmp_path, p
             f"run_torchrun([{str(script)!r}], processes=2, rendezvous=['--standalone'], threads=1, timeout_s=600, "
             f"progress=False, bar=(0, 'sleep'), run_dir=Path({str(run_dir)!r}))\n")
     launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        # torchrun and its two workers, each naming the script
-        _wait_for(lambda: len(processes_mentioning(str(script))) >= 3, 120, "torchrun started two workers")
-        os.kill(launcher.pid, signal.SIGKILL)
-        launcher.wait()
-        _wait_for(lambda: _gone(tmp_path, processes_mentioning), GONE_WITHIN_S,
-                  f"every process and the run's folder gone; left: {processes_mentioning(str(tmp_path))}")
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    # torchrun and its two workers, each naming the script
+    _killed_leaves_nothing(launcher, lambda: _wait_for(lambda: len(processes_mentioning(str(script))) >= 3, 120,
+                                                       "torchrun started two workers"),
+                           tmp_path, processes_mentioning)
 
 
 def test_a_killed_run_command_leaves_no_process_and_no_folder(tmp_path, processes_mentioning):
@@ -56,13 +64,9 @@ def test_a_killed_run_command_leaves_no_process_and_no_folder(tmp_path, processe
                             "--model", "gpt-tiny", "--steps", "100000", "--dataset-size", "64",
                             "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1000"],
                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+
+    def started():
         _wait_for(lambda: len(list(tmp_path.glob("multigpu-run-*/started-rank*"))) == 2, 180, "both workers started")
         time.sleep(1.0)  # into the training
-        os.kill(run.pid, signal.SIGKILL)
-        run.wait()
-        _wait_for(lambda: _gone(tmp_path, processes_mentioning), GONE_WITHIN_S,
-                  f"every process and the run's folder gone; left: {processes_mentioning(str(tmp_path))}")
-    finally:
-        if run.poll() is None:
-            run.kill()
+
+    _killed_leaves_nothing(run, started, tmp_path, processes_mentioning)
