@@ -278,6 +278,7 @@ def grid(workers: int | None = None) -> tuple[dict, list[str]]:
             header, sources = header.result()
         entries = {k: v for part, _ in found for k, v in part.items()}
         sources = sorted(set(sources).union(*(imported for _, imported in found)))
+        assert "estimator/calculator.py" in sources, sources  # the entries' own code
         parameters = {label: model_shape(model).parameters for label, model in named.items()}
     import transformers
 
@@ -301,4 +302,7 @@ def write(path: Path = GRID_FILE) -> Path:
 
 
 if __name__ == "__main__":  # python -m multigpu.estimator.calculator: the committed grid, computed again if stale
-    print(write(Path(sys.argv[1]) if len(sys.argv) > 1 else GRID_FILE))
+    # through the package's module, not this __main__: the workers then import it by its name, and list it
+    from multigpu.estimator import calculator
+
+    print(calculator.write(Path(sys.argv[1]) if len(sys.argv) > 1 else GRID_FILE))
