@@ -130,13 +130,16 @@ def committed_records(monkeypatch, tmp_path_factory):
     only_committed_records(monkeypatch, tmp_path_factory)
 
 
+def _cores() -> int:
+    return os.cpu_count() or 1  # as the package counts them (launch's threads per process)
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """`make test`'s worker count (pytest -n auto): one per two cores, and at least two. A parity test
     starts 2 to 8 training processes (and torchrun), which spend much of their time waiting on each other
     and on starting Python; two workers keep a 2-core machine busy while one waits, and one per two cores
     leaves a 16-core machine's cores to the processes the tests start."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(2, cores // 2)
+    return max(2, _cores() // 2)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -147,8 +150,7 @@ def threads_shared_among_workers():
     if workers > 1:
         import torch
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // workers))
+        torch.set_num_threads(max(1, _cores() // workers))
     yield
 
 

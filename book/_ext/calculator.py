@@ -12,13 +12,6 @@ from pathlib import Path
 PAGE = "book/choosing"  # the page whose calculator reads the grid
 
 
-def _first_line(path: Path) -> str | None:
-    if not path.exists():
-        return None
-    with path.open() as f:
-        return f.readline()
-
-
 def _write_grid(app) -> None:
     from multigpu.estimator import calculator
 
@@ -26,9 +19,9 @@ def _write_grid(app) -> None:
     # takes: two files of one name would collide there
     (Path(app.confdir) / "_build" / "static" / "calculator-grid.js").unlink(missing_ok=True)
     target = calculator.GRID_FILE
-    before = _first_line(target)
+    before = calculator.stamp_of(target)
     calculator.write(target)
-    app.config._multigpu_grid_changed = _first_line(target) != before
+    app.config._multigpu_grid_changed = calculator.stamp_of(target) != before
 
 
 def _outdated(app, env, added, changed, removed) -> list[str]:
