@@ -112,16 +112,41 @@ def test_plans_one_line_out_each_refusals_as_errors():
     assert "colour" in out[3]["error"] and "not JSON" in out[4]["error"] and "micro-batches" in out[5]["error"]
 
 
+def test_unfused_attention_moves_its_scores():
+    """Megatron's unfused core attention (`attention="unfused"`): the same products as the fused kernel's, and
+    the scores as memory traffic, one sequence squared per head: the softmax reads and writes them (fp16, 2
+    bytes each), a dropout reads them and writes them and a bool mask."""
+    from multigpu.models import GPT_SIZES
+
+    cfg, mb, seq = GPT_SIZES["gpt-small"], 2, 64
+    scores = cfg.n_layer * mb * cfg.n_head * seq * seq
+    fused = step_kernels("gpt-small", mb, seq, "fp16-mixed")
+    plain = step_kernels("gpt-small", mb, seq, "fp16-mixed", attention="unfused")
+    dropped = step_kernels("gpt-small", mb, seq, "fp16-mixed", attention="unfused", dropout=0.1)
+
+    def forward(kernels, kinds, name=None):
+        return sum(k.flops + k.bytes for k in kernels if k.phase == "forward" and k.kind in kinds
+                   and (name is None or k.name == name))
+    assert forward(plain, {"product", "attention"}) == pytest.approx(forward(fused, {"product", "attention"}))
+    assert forward(plain, {"memory"}, "_softmax") == pytest.approx(scores * (2 + 2))
+    assert forward(dropped, {"memory"}, "native_dropout") == pytest.approx(scores * (2 + 2 + 1))
+    assert forward(fused, {"memory"}, "_softmax") == 0
+    for bad, match in (({"attention": "flash"}, "fused or unfused"), ({"dropout": 1.5}, "probability")):
+        with pytest.raises(ConfigError, match=match):
+            step_kernels("gpt-small", mb, seq, "fp16-mixed", **bad)
+
+
 @pytest.mark.slow
 def test_published_runs_table():
     """The model held against published cluster runs (`estimator.published`, >= 30 rows from >= 4 sources),
     none of them used to fit it: every row predicted, its error computed. The issue's goal is a median of 10%;
-    this session's model reaches about 15% (its worst rows: small Megatron 2021 layers, DeepSpeed's ZeRO-3 of
-    2021, BLOOM), so the bound here is the state reached, a guard against losing it, not the goal."""
+    the model reaches about 12% (its worst rows: the ZeRO-3 runs of Narayanan et al.'s Table 2, whose step
+    does not shrink with more GPUs), so the bound here is the state reached, a guard against losing it, not
+    the goal."""
     from multigpu.estimator.published import ROWS, held, summary
 
     results = held()
     assert len(results) == len(ROWS) >= 30 and len({r["source"] for r in results}) >= 4
     for r in results:
         assert r["predicted_s"] > 0 and r["error"] == pytest.approx(r["predicted_s"] / r["published_s"] - 1)
-    assert summary(results)["median_abs_error"] <= 0.20, summary(results)
+    assert summary(results)["median_abs_error"] <= 0.15, summary(results)

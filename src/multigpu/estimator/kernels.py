@@ -6,7 +6,11 @@ launches a kernel, with what it computes and moves:
 - a matrix product (`mm`, `addmm`, `bmm`, ...): its FLOPs, 2 m n k;
 - attention (`scaled_dot_product_attention`, one fused kernel on a GPU): its two products, whole
   (q x k and the weighted sum; backward runs five, 2.5 times the forward, as FlashAttention's
-  backward does: Dao et al. 2022, section 3.1 and appendix B);
+  backward does: Dao et al. 2022, section 3.1 and appendix B); or, `attention="unfused"`, as
+  Megatron-LM ran it before FlashAttention (`CoreAttention`: a batched product for the scores,
+  one fused scale-mask-softmax kernel that reads and writes them, a dropout of the probabilities
+  when the model trains with one, a batched product with the values), each kernel and its backward
+  written down as any other: the scores' bytes, a sequence squared per head, are memory traffic;
 - everything else (norms, element-wise ops, softmax, casts, the loss, the optimizer's foreach
   passes): the bytes it reads and writes.
 Views launch nothing; operators on 0-d tensors (the optimizer's step counts, on the host) neither.
@@ -137,6 +141,22 @@ class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
             return Fused.apply(query, key, value, attn_mask, options)
         return call
 
+    def unfused(self, dropout: float):
+        """`scaled_dot_product_attention` as Megatron-LM's unfused core attention: the scores made whole,
+        one softmax kernel (the scale and the causal or given mask fused into it, as Megatron's
+        `FusedScaleMaskSoftmax`: not priced apart), a dropout of the probabilities (CUDA's `native_dropout`:
+        the output and a bool mask) when `dropout` > 0, and the product with the values."""
+        def call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+            if key.shape[-3] != query.shape[-3]:  # grouped-query attention: each kv head serves its group
+                key, value = (t.repeat_interleave(query.shape[-3] // t.shape[-3], dim=-3) for t in (key, value))
+            scores = torch.matmul(query, key.transpose(-2, -1))
+            with torch.autocast("cpu", enabled=False):  # the kernel reads and writes the scores' own dtype
+                probs = torch.softmax(scores, dim=-1)
+                if dropout > 0:
+                    probs = torch.native_dropout(probs, dropout, True)[0]
+            return torch.matmul(probs, value)
+        return call
+
     def _attention(self, q, k, v, phase, times):
         rows = q.numel() // q.shape[-1]  # batch x heads x queries
         flops = times * 2.0 * rows * k.shape[-2] * (q.shape[-1] + v.shape[-1])
@@ -147,13 +167,18 @@ class _Kernels(torch.utils._python_dispatch.TorchDispatchMode):
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
+ATTENTION = ("fused", "unfused")
+
+
 @lru_cache(maxsize=64)
 def step_kernels(model: str, micro_batch: int, seq_len: int, dtype: str = "fp32",
-                 activation_checkpointing: bool | str = False, optimizer: str = "adamw") -> tuple[Kernel, ...]:
+                 activation_checkpointing: bool | str = False, optimizer: str = "adamw", attention: str = "fused",
+                 dropout: float = 0.0) -> tuple[Kernel, ...]:
     """The kernels of one micro-batch's forward and backward (phases "forward", "backward") and of one
     optimizer step ("optimizer": torch's foreach AdamW or SGD, as CUDA runs them) of `model` (a preset or a
     config.json) at `micro_batch` samples of `seq_len` tokens; `dtype` "fp32", "bf16-mixed", "fp16-mixed" or
-    "bf16-master" (bf16 weights, fp32 optimizer state)."""
+    "bf16-master" (bf16 weights, fp32 optimizer state); `attention` "fused" (one kernel) or "unfused" (Megatron's
+    core attention, its probabilities dropped out at `dropout`)."""
     from unittest import mock
 
     from multigpu.estimator.model_trace import _fake_model, model_shape
@@ -164,6 +189,10 @@ def step_kernels(model: str, micro_batch: int, seq_len: int, dtype: str = "fp32"
         raise ConfigError(f"dtype must be fp32, bf16-mixed, fp16-mixed or bf16-master, got {dtype!r}")
     if micro_batch < 1 or seq_len < 1:
         raise ConfigError(f"a micro-batch of {micro_batch} samples of {seq_len} tokens: give positive sizes")
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention must be fused or unfused, got {attention!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ConfigError(f"dropout must be a probability from 0 up to 1, got {dropout!r}")
     shape = model_shape(model)
     if shape.vocab_size is None:
         raise ConfigError(f"{model}: a bare parameter count has no kernels to price; give a preset or a config.json")
@@ -177,7 +206,8 @@ def step_kernels(model: str, micro_batch: int, seq_len: int, dtype: str = "fp32"
     with fake:
         ids = torch.randint(shape.vocab_size, (micro_batch, seq_len))
     with fake, even_routing(), _Kernels() as trace, \
-            mock.patch("torch.nn.functional.scaled_dot_product_attention", trace.attention(sdpa)):
+            mock.patch("torch.nn.functional.scaled_dot_product_attention",
+                       trace.attention(sdpa) if attention == "fused" else trace.unfused(dropout)):
         trace.autocast = _DTYPE_NAMES[AUTOCAST[dtype]] if dtype in AUTOCAST else None
         with torch.autocast("cpu", dtype=AUTOCAST.get(dtype, torch.bfloat16), enabled=dtype in AUTOCAST):
             out = built(input_ids=ids, labels=ids)

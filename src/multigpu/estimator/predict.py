@@ -37,7 +37,8 @@ MAX_GPUS = 2**20
 LIMITS = {"tp": MAX_GPUS, "pp": MAX_GPUS, "dp": MAX_GPUS, "virtual_stages": 1024, "micro_batch": 2**20,
           "seq_len": 2**20, "global_batch": 2**40, "gpus_per_node": 1024, "nodes": MAX_GPUS}
 PLAN_KEYS = ("model", "tp", "pp", "dp", "virtual_stages", "dp_kind", "micro_batch", "global_batch", "seq_len", "dtype",
-             "activation_checkpointing", "machine", "gpu", "gpus_per_node", "nodes", "inter", "optimizer")
+             "activation_checkpointing", "machine", "gpu", "gpus_per_node", "nodes", "inter", "optimizer", "attention",
+             "dropout")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Plan:
     nodes: int | None = None
     inter: float | None = None  # Gb/s per GPU between nodes
     optimizer: str = "adamw"
+    attention: str = "fused"  # one kernel (FlashAttention, SDPA), or "unfused" (Megatron-LM's before it)
+    dropout: float = 0.0  # the attention probabilities' (a kernel of its own when unfused)
 
     @property
     def world(self) -> int:
@@ -102,7 +105,7 @@ def _rank_kernels(plan: Plan) -> tuple[list[Kernel], list[Kernel]]:
     parallelism cuts each kernel's work and each product's shape by tp; a pipeline stage runs 1/pp of the
     layers: each kernel's work and its launches by pp (a shape is its layer's, whole)."""
     every = step_kernels(plan.model, plan.micro_batch, plan.seq_len, plan.dtype, plan.activation_checkpointing,
-                         plan.optimizer)
+                         plan.optimizer, plan.attention, plan.dropout)
     shard = plan.dp if plan.dp_kind != "ddp" else 1  # the optimizer's state and step cut over data parallelism
 
     def scaled(k: Kernel, shape_cut: int, count_cut: float) -> Kernel:
@@ -307,6 +310,9 @@ def add_predict_command(sub) -> None:
     p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-momentum"), default=None)
     p.add_argument("--activation-checkpointing", dest="activation_checkpointing", nargs="?", const=True,
                    default=None, choices=(True, "full", "selective"), metavar="full|selective")
+    p.add_argument("--attention", choices=("fused", "unfused"), default=None,
+                   help="one fused kernel (FlashAttention, SDPA: the default) or Megatron-LM's unfused core attention")
+    p.add_argument("--dropout", type=float, default=None, help="the attention probabilities' dropout (unfused)")
     p.add_argument("--machine", default=None, help=f"a named machine: {', '.join(NAMED)}")
     p.add_argument("--gpu", default=None, help="or a GPU by name (a100-80gb, h100-80gb, h200-141gb, ...)")
     p.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=None)
