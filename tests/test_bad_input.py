@@ -18,6 +18,11 @@ from multigpu import __main__ as cli
 @pytest.fixture
 def stopped(monkeypatch):
     """Every place a command starts work, stopped: torchrun, the experiments, the dry run, the estimator."""
+    # imported before any stub is in place: a module that binds `from ... import estimate` on its first import
+    # would otherwise keep the stub after this test (and the next module's advise would stop, not answer)
+    for module in ("multigpu.estimator.advise", "multigpu.estimator.accuracy", "multigpu.estimator.cli",
+                   "multigpu.estimator.predict", "multigpu.dryrun"):
+        importlib.import_module(module)
     monkeypatch.setattr(importlib.import_module("multigpu.launch"), "_run", start)
     monkeypatch.setattr("multigpu.experiments.run.run_experiment", start)
     for name in ("dry_run", "dry_runs"):

@@ -170,6 +170,14 @@ AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 ATTENTION = ("fused", "unfused")
 
 
+def check_attention(attention: str, dropout: float) -> None:
+    """A clear error for an attention kernel or a dropout the kernels cannot price."""
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention must be fused or unfused, got {attention!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ConfigError(f"dropout must be a probability from 0 up to 1, got {dropout!r}")
+
+
 @lru_cache(maxsize=64)
 def step_kernels(model: str, micro_batch: int, seq_len: int, dtype: str = "fp32",
                  activation_checkpointing: bool | str = False, optimizer: str = "adamw", attention: str = "fused",
@@ -189,10 +197,7 @@ def step_kernels(model: str, micro_batch: int, seq_len: int, dtype: str = "fp32"
         raise ConfigError(f"dtype must be fp32, bf16-mixed, fp16-mixed or bf16-master, got {dtype!r}")
     if micro_batch < 1 or seq_len < 1:
         raise ConfigError(f"a micro-batch of {micro_batch} samples of {seq_len} tokens: give positive sizes")
-    if attention not in ATTENTION:
-        raise ConfigError(f"attention must be fused or unfused, got {attention!r}")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise ConfigError(f"dropout must be a probability from 0 up to 1, got {dropout!r}")
+    check_attention(attention, dropout)
     shape = model_shape(model)
     if shape.vocab_size is None:
         raise ConfigError(f"{model}: a bare parameter count has no kernels to price; give a preset or a config.json")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from multigpu.errors import ConfigError
 from multigpu.estimator import links
-from multigpu.estimator.kernels import Kernel, depth, shallower, step_kernels, timeline
+from multigpu.estimator.kernels import Kernel, check_attention, depth, shallower, step_kernels, timeline
 from multigpu.estimator.machines import GPU_SHEETS, Machine
 
 DP_KINDS = ("ddp", "zero1", "fsdp")
@@ -156,6 +156,7 @@ def predict(plan: Plan) -> dict:
         raise ConfigError(f"seq_len {plan.seq_len:,} is beyond any model here; give at most {MAX_SEQ_LEN:,}")
     if plan.world > MAX_GPUS:
         raise ConfigError(f"tp x pp x dp = {plan.world:,} GPUs; give at most {MAX_GPUS:,}")
+    check_attention(plan.attention, plan.dropout)
     if plan.dp_kind not in DP_KINDS:
         raise ConfigError(f"dp_kind must be one of {', '.join(DP_KINDS)}, got {plan.dp_kind!r}")
     global_batch = plan.global_batch or plan.micro_batch * plan.dp
