@@ -170,10 +170,10 @@ def test_expert_parallel_matches_single_device(routing, world_size, request):
     ("fsdp", 4, dict(ep=2, grad_accum_steps=2, activation_checkpointing=True)),
     ("fsdp", 4, dict(ep=4, extra={"moe_capacity_factor": 0.5})),
     ("fsdp", 2, dict(ep=1)),  # FSDP of a mixture of experts: its counts summed over the ranks
-    # DeepSpeed-MoE's layer and engine: no capacity (nothing dropped), and its balancing loss, GShard's per rank,
-    # off (another loss than one device's Switch form over the whole batch)
-    ("deepspeed-moe", 2, dict(ep=2, extra={"moe_aux_loss_coef": 0.0})),
-    ("deepspeed-moe", 4, dict(ep=4, activation_checkpointing=True, extra={"moe_aux_loss_coef": 0.0})),
+    # DeepSpeed-MoE's layer and engine: no capacity (nothing dropped); the package's balancing loss in place of
+    # the gate's own (GShard's per rank), at the default coefficient, and off once
+    ("deepspeed-moe", 2, dict(ep=2)),
+    ("deepspeed-moe", 4, dict(ep=4, activation_checkpointing=True)),
     ("deepspeed-moe", 4, dict(ep=2, grad_accum_steps=2, extra={"moe_aux_loss_coef": 0.0, "moe_top_k": 1})),
 ], ids=["dp4-ep2-accum2", "dp4-ep1-capacity1", "dp4-ep4-checkpointed", "dp4-ep2-selective", "fsdp2-ep2",
         "fsdp4-ep2-accum2-checkpointed", "fsdp4-ep4-capacity0.5", "fsdp2-ep1", "deepspeed2-ep2",

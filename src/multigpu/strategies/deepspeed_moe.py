@@ -26,9 +26,11 @@ Where the library differs from this package's layer, and what follows:
   no parity with one device there, and the chapter says so. Without one (`drop_tokens=False`)
   C is the busiest expert's count, the same on every ep rank (an all-reduce of the maximum):
   nothing is dropped, and the run trains as one device does (tests/test_parity.py).
-- **The balancing loss** is GShard's form, each rank over its own tokens and first choices only
-  (`l_aux = E^2 mean(me * ce)` for k = 2), not Switch's over the whole batch's assignments: the
-  same coefficient gives another loss. Parity is tested with the coefficient 0.
+- **The balancing loss**: DeepSpeed's gate returns GShard's form, each rank over its own tokens and
+  first choices only (`l_aux = E^2 mean(me * ce)` for k = 2), not Switch's over the whole batch's
+  assignments: the same coefficient would give another loss. The layer sets it aside and adds the
+  package's (`moe.MoE`'s: Switch's, the counts summed over the data-parallel ranks), computed from
+  the gate's own weight, so the loss and its gradient are one device's at any coefficient.
 - **Padding**: every expert computes C rows, the empty ones zeros (their outputs are weighted 0):
   the work and the all-to-all's bytes follow the busiest expert, not the tokens.
 - The second choice is the plain top-2 (`top2_2nd_expert_sampling=False`; DeepSpeed's default
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from multigpu import moe
@@ -122,8 +125,8 @@ class LibraryMoE(moe.MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
-        out, l_aux, counts = self.library(x)
-        self.aux_loss = self.aux_loss_coef * l_aux
+        out, _, counts = self.library(x)  # (its balancing loss, GShard's per rank, is not the package's)
+        self.aux_loss = self._balancing_loss(x)
         if torch._C._current_graph_task_id() == -1:  # not activation checkpointing's recompute inside backward
             counts = counts.to(torch.int64)
             # kept per expert: its first C assignments (its slots are filled first choices first)
@@ -137,6 +140,24 @@ class LibraryMoE(moe.MoE):
         for mlp in self.shared:
             out = out + mlp(x).to(out.dtype)
         return out.to(x.dtype)
+
+    def _balancing_loss(self, x: torch.Tensor) -> torch.Tensor:
+        """moe.MoE's balancing loss (Switch's): E x sum_i f_i P_i times the coefficient, f_i the share of the
+        whole batch's (token, choice) assignments to expert i (counts summed over the data-parallel ranks,
+        `reduce_counts`), P_i the mean probability the gate gives expert i on this rank's tokens, in fp32 from
+        the gate's weight, as DeepSpeed's gate and moe.MoE's router compute their scores."""
+        if not self.aux_loss_coef:
+            return x.new_zeros((), dtype=torch.float32)
+        E, tokens = self.experts_total, x.reshape(-1, x.shape[-1])
+        weight = self.library.deepspeed_moe.gate.wg.weight
+        with torch.autocast(x.device.type, enabled=False):
+            probs = F.linear(tokens.float(), weight.float()).softmax(dim=-1)
+        chosen = probs.topk(self.top_k, dim=-1).indices
+        counts = torch.cat([torch.bincount(chosen.view(-1), minlength=E), chosen.new_zeros(1)])
+        if self.reduce_counts is not None:
+            counts = self.reduce_counts(counts)
+        share = counts[:E].float() / counts[:E].sum()
+        return self.aux_loss_coef * E * (share * probs.mean(dim=0)).sum()
 
     def whole_state(self, group) -> dict:
         """This layer's router and experts under the names of the layer it replaced, every ep rank's
