@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -134,6 +135,26 @@ def test_unfused_attention_moves_its_scores():
     for bad, match in (({"attention": "flash"}, "fused or unfused"), ({"dropout": 1.5}, "probability")):
         with pytest.raises(ConfigError, match=match):
             step_kernels("gpt-small", mb, seq, "fp16-mixed", **bad)
+
+
+def test_context_parallel_ranks_split_the_work():
+    """With cp, a rank computes 1/cp of each sequence: its products are 1/cp of one rank's without cp, and its
+    attention too (its queries against every key); the ring's transfers are priced, refusals are one line."""
+    from multigpu.estimator.predict import _rank_kernels
+
+    whole = Plan("gpt-small", micro_batch=2, seq_len=256, dp=8, dp_kind="fsdp", machine="dgx-h100")
+    cut = replace(whole, cp=4, dp=2)
+
+    def flops(plan, kind):
+        return sum(k.flops for k in _rank_kernels(plan)[0] if k.kind == kind)
+    for kind in ("product", "attention"):
+        assert flops(cut, kind) * 4 == pytest.approx(flops(whole, kind), rel=1e-9), kind
+    out = predict(cut)
+    assert 0 < out["exposed_comm_s"]["cp"] <= out["comm_s"]["cp"]
+    for bad, match in ((dict(tp=2, dp=1), "beside data parallelism only"), (dict(seq_len=100), "equal chunks"),
+                       (dict(attention="unfused"), "fused"), (dict(dp_kind="zero1"), "fsdp or ddp")):
+        with pytest.raises(ConfigError, match=match):
+            predict(replace(cut, **bad))
 
 
 @pytest.mark.slow

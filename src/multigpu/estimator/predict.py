@@ -1,9 +1,9 @@
 """`python -m multigpu predict`: the time of one given plan on a named machine, from kernels and
 collective curves (an estimate, not a measurement).
 
-A plan is a model, its degrees (tp, pp, dp), how data parallelism runs (`dp_kind`: ddp, zero1 as
-Megatron's distributed optimizer, fsdp), the batch (micro-batch, global batch, sequence), the
-precision, recomputation, and a machine. Its step:
+A plan is a model, its degrees (tp, pp, dp, and cp beside data parallelism), how data parallelism
+runs (`dp_kind`: ddp, zero1 as Megatron's distributed optimizer, fsdp), the batch (micro-batch,
+global batch, sequence), the precision, recomputation, the attention kernel, and a machine. Its step:
 - compute: one rank's kernels (`kernels.step_kernels` of the whole model at the micro-batch,
   each product, attention and memory-bound kernel cut by tp and the layers by pp, the optimizer's
   by its shard), walked with the host's launches (`kernels.timeline`) for every micro-batch, then
@@ -12,7 +12,11 @@ precision, recomputation, and a machine. Its step:
   data parallelism beside tensor parallelism as the data-parallel kind's own collectives over the
   rank's tp-cut weights), each priced on the link its group sits on (`step_time.group_link`) by
   a published nccl-tests curve (`links`); what hides behind compute as the strategy table says;
-- the pipeline's bubble, (p-1)/m of the compute (1F1B).
+- the pipeline's bubble, (p-1)/m of the compute (1F1B);
+- context parallelism (cp, beside data parallelism only, as the package runs it: FSDP, or whole
+  replicas for ddp): each rank computes its 1/cp of every sequence (the zig-zag layout balances
+  the causal work), its attention against every key in cp fused calls, and the ring's keys and
+  values hide behind those calls.
 """
 
 from __future__ import annotations
@@ -34,11 +38,11 @@ NAMED = {  # name: (GPU, GPUs per node, link inside a node, link between nodes)
 }
 MAX_GPUS = 2**20
 # the largest value each whole-number key takes
-LIMITS = {"tp": MAX_GPUS, "pp": MAX_GPUS, "dp": MAX_GPUS, "virtual_stages": 1024, "micro_batch": 2**20,
+LIMITS = {"tp": MAX_GPUS, "pp": MAX_GPUS, "dp": MAX_GPUS, "cp": MAX_GPUS, "virtual_stages": 1024, "micro_batch": 2**20,
           "seq_len": 2**20, "global_batch": 2**40, "gpus_per_node": 1024, "nodes": MAX_GPUS}
-PLAN_KEYS = ("model", "tp", "pp", "dp", "virtual_stages", "dp_kind", "micro_batch", "global_batch", "seq_len", "dtype",
-             "activation_checkpointing", "machine", "gpu", "gpus_per_node", "nodes", "inter", "optimizer", "attention",
-             "dropout")
+PLAN_KEYS = ("model", "tp", "pp", "dp", "cp", "virtual_stages", "dp_kind", "micro_batch", "global_batch", "seq_len",
+             "dtype", "activation_checkpointing", "machine", "gpu", "gpus_per_node", "nodes", "inter", "optimizer",
+             "attention", "dropout")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class Plan:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1  # context parallelism: each sequence cut over cp ranks (beside data parallelism)
     virtual_stages: int = 1  # a pipeline's stages per rank (interleaved 1F1B from 2)
     dp_kind: str = "ddp"
     micro_batch: int = 1
@@ -65,7 +70,7 @@ class Plan:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
 
 def _machine(plan: Plan) -> tuple[Machine, str]:
@@ -104,9 +109,12 @@ def _rank_kernels(plan: Plan) -> tuple[list[Kernel], list[Kernel]]:
     """One rank's kernels of a micro-batch and of the optimizer's step: the whole model's, cut. Tensor
     parallelism cuts each kernel's work and each product's shape by tp; a pipeline stage runs 1/pp of the
     layers: each kernel's work and its launches by pp (a shape is its layer's, whole)."""
-    every = step_kernels(plan.model, plan.micro_batch, plan.seq_len, plan.dtype, plan.activation_checkpointing,
-                         plan.optimizer, plan.attention, plan.dropout)
-    shard = plan.dp if plan.dp_kind != "ddp" else 1  # the optimizer's state and step cut over data parallelism
+    every = step_kernels(plan.model, plan.micro_batch, plan.seq_len // plan.cp, plan.dtype,
+                         plan.activation_checkpointing, plan.optimizer, plan.attention, plan.dropout)
+    if plan.cp > 1:  # a rank's queries against every key: cp fused calls of its block's size
+        every = tuple(replace(k, flops=k.flops * plan.cp, launches=k.launches * plan.cp) if k.kind == "attention"
+                      else k for k in every)
+    shard = plan.dp * plan.cp if plan.dp_kind != "ddp" else 1  # the optimizer's state and step cut over the copies
 
     def scaled(k: Kernel, shape_cut: int, count_cut: float) -> Kernel:
         parts = shape_cut * count_cut
@@ -124,6 +132,11 @@ def _setups(plan: Plan):
     from multigpu.estimator.question import Setup
 
     m = plan.global_batch // (plan.micro_batch * plan.dp)
+    if plan.cp > 1:  # FSDP over dp x cp ranks, or whole replicas (cp-scratch) for ddp
+        kind = "fsdp" if plan.dp_kind == "fsdp" else "cp-scratch"
+        return Setup(strategy=kind, world_size=plan.dp * plan.cp, cp=plan.cp, model=plan.model, seq_len=plan.seq_len,
+                     dtype=plan.dtype, optimizer=plan.optimizer, activation_checkpointing=plan.activation_checkpointing,
+                     grad_accum_steps=m, on_cuda=True, dropout=False), None, 1
     common = dict(model=plan.model, seq_len=plan.seq_len, dtype=plan.dtype, optimizer=plan.optimizer,
                   activation_checkpointing=plan.activation_checkpointing, grad_accum_steps=m, on_cuda=True,
                   dropout=False)
@@ -157,6 +170,18 @@ def predict(plan: Plan) -> dict:
     if plan.world > MAX_GPUS:
         raise ConfigError(f"tp x pp x dp = {plan.world:,} GPUs; give at most {MAX_GPUS:,}")
     check_attention(plan.attention, plan.dropout)
+    if plan.cp > 1:
+        from multigpu.strategies.cp_layout import sequence_problem
+
+        if plan.tp > 1 or plan.pp > 1:
+            raise ConfigError("predict prices context parallelism beside data parallelism only, as the package runs "
+                              "it (FSDP x CP, or whole replicas): give --tp 1 --pp 1 with --cp")
+        if plan.attention != "fused":
+            raise ConfigError("context parallelism runs fused attention on each block of keys: give --attention fused")
+        if plan.dp_kind == "zero1":
+            raise ConfigError("context parallelism runs beside FSDP or whole replicas: give --dp-kind fsdp or ddp")
+        if why := sequence_problem(plan.seq_len, plan.cp, "zigzag"):
+            raise ConfigError(why)
     if plan.dp_kind not in DP_KINDS:
         raise ConfigError(f"dp_kind must be one of {', '.join(DP_KINDS)}, got {plan.dp_kind!r}")
     global_batch = plan.global_batch or plan.micro_batch * plan.dp
@@ -174,7 +199,8 @@ def predict(plan: Plan) -> dict:
     if data is not None:
         traffic += [replace(t, payload_bytes=t.payload_bytes / cut, stride=plan.tp)
                     for t in collectives(data, plan.micro_batch * m * plan.dp) if t.dim == "dp"]
-    behind = {"backward": compute_s * backward_share(first), "all": compute_s, "attention": 0.0, "none": 0.0}
+    behind = {"backward": compute_s * backward_share(first), "all": compute_s,
+              "attention": busy.get("attention", 0.0), "none": 0.0}  # the ring's transfers: behind attention
     comm, exposed = defaultdict(float), defaultdict(float)
     hidden: dict = {}
     for t in traffic:
@@ -298,7 +324,7 @@ def add_predict_command(sub) -> None:
     """The `predict` subcommand on `sub` (the command line's subparsers)."""
     p = sub.add_parser("predict", help="the time of one training step of a plan on a GPU machine (an estimate)")
     p.add_argument("--model", default=None, help="a preset (gpt2, ...) or a config.json")
-    for name in ("tp", "pp", "dp"):
+    for name in ("tp", "pp", "dp", "cp"):
         p.add_argument(f"--{name}", type=int, default=None)
     p.add_argument("--virtual-stages", dest="virtual_stages", type=int, default=None,
                    help="a pipeline's stages per rank (interleaved 1F1B)")
