@@ -57,6 +57,31 @@ def test_fsdp_at_1024_ranks_holds_its_padded_rows():
     assert [r for r in rows(cfg, run) if not r["within_goal"]] == []  # the estimator, as for PLANS
 
 
+@pytest.mark.parametrize("strategy,world,options", [
+    ("fsdp", 1024, {"tp": 4}), ("zero3", 1024, {"grad_accum_steps": 2}),
+    ("pp-1f1b-scratch", 2, {"grad_accum_steps": 4}), ("cp-scratch", 4, {})], ids=lambda x: str(x))
+def test_real_tensors_hold_what_fake_ones_count(strategy, world, options):
+    """`materialize`: the same rank with real tensors on this CPU (the group still fake) keeps, leaves for
+    backward and sends exactly what the fake run counts: the fake run's counts are real memory."""
+    cfg = plan(strategy, world, "gpt-tiny", **options)
+    fake, real = dry_run(cfg), dry_run(cfg, materialize="cpu")
+    assert real.materialized == "cpu" and fake.materialized is None and real.allocator_peak_bytes is None
+    for field in ("model_states", "forward_saved", "forward_gathered", "collectives"):
+        assert getattr(real, field) == getattr(fake, field), field
+
+
+def test_materialize_refuses_what_this_machine_cannot_hold(monkeypatch):
+    from multigpu import dryrun
+
+    cfg = plan("fsdp", 64, "gpt-small")
+    assert "cpu or cuda" in dryrun.materialize_problem(cfg, "tpu")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert "no CUDA GPU" in dryrun.materialize_problem(cfg, "cuda")
+    monkeypatch.setattr(dryrun, "_available_host_bytes", lambda: 2**20)
+    with pytest.raises(ConfigError, match="without --materialize"):
+        dry_run(cfg, materialize="cpu")
+
+
 def test_a_real_size_model_at_64_ranks(tmp_path):
     """T5-3B's shape (configs/t5-3b.json) under ZeRO-3 over 64 ranks: its 2.9e9 parameters' share, in seconds,
     on this CPU, with nothing allocated for them."""

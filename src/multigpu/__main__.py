@@ -270,13 +270,25 @@ def cmd_dryrun(args) -> int:
     dryrun.refuse(cfg)  # a plan that cannot run this way, with the reason
     if args.rank is not None and not 0 <= args.rank < cfg.processes:
         raise ConfigError(f"--rank {args.rank} is not in a world of {cfg.processes} (ranks 0 to {cfg.processes - 1})")
-    runs = dryrun.dry_runs(cfg) if args.rank is None else [dryrun.dry_run(cfg, args.rank, f"rank {args.rank}")]
+    import torch
+
+    materialize = None if args.materialize is None else (
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.materialize == "auto" else args.materialize)
+    if materialize is not None and (why := dryrun.materialize_problem(cfg, materialize)):
+        raise ConfigError(why)
+    runs = dryrun.dry_runs(cfg, materialize) if args.rank is None else [
+        dryrun.dry_run(cfg, args.rank, f"rank {args.rank}", materialize)]
     if args.json:
         print(json.dumps([{**run.as_dict(), "estimator": rows(cfg, run)} for run in runs]))
         return 0
     print(f"{cfg.model}, {cfg.strategy} on {cfg.world_size} ranks ({_grid(cfg.grid)}), {cfg.global_batch_size} "
           f"sample(s) of {runs[0].seq_len} tokens per step in {cfg.grad_accum_steps} micro-batch(es): a dry run")
     print("\n".join(report(cfg, runs)))
+    for run in runs:
+        if run.materialized:
+            peak = (f"; the CUDA allocator's peak in the step {run.allocator_peak_bytes / 2**20:,.1f} MiB"
+                    if run.allocator_peak_bytes is not None else "")
+            print(f"{run.role}: real tensors on {run.materialized}, {run.seconds:.1f} s{peak}")
     if not any(rows(cfg, run) for run in runs):
         print(f"(measurements only: {_not_estimated(cfg)})")
     return 0
@@ -366,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     dry.set_defaults(global_batch_size=None, optimizer="adamw", func=cmd_dryrun)
     dry.add_argument("--rank", type=int, default=None, help="this rank only (default: each distinct role: a "
                      "pipeline's first, middle and last stage)")
+    dry.add_argument("--materialize", nargs="?", const="auto", default=None, choices=("auto", "cpu", "cuda"),
+                     help="real tensors on this device (cuda if there is one), the group still fake: the rank's own "
+                     "kernels run, and on a GPU the allocator's peak is recorded")
     add_estimator_commands(sub)  # estimate, advise: multigpu.estimator.cli
     fig = sub.add_parser("figures", help="run the experiments behind the book's figures")
     fig.add_argument("--experiments", nargs="*", default=None, help="names (default: all; --list names them)")

@@ -22,6 +22,13 @@ makes what a strategy makes once (the optimizer's state, its buffers), the secon
 What a dry run cannot tell: time on a GPU (nothing computes), NCCL's behaviour (nothing is sent), the caching
 allocator's fragmentation, and whether a CPU tensor was handed to NCCL (the fake backend checks no devices:
 `tests/test_gpu_path.py` does). Which strategies cannot run this way, and why, is `CANNOT`.
+
+`materialize` ("cpu" or "cuda"; `dryrun --materialize`) runs the same rank with real tensors on that device
+and the fake group still (torchtitan's "fake backend" dry run): the rank's own kernels really compute (on
+what the collectives leave in their buffers: unsent, so the values mean nothing, only the memory and the
+time do), and on a GPU the CUDA allocator's peak of the measured step is recorded beside the counts. The
+model is built whole on the host first and handed to the strategy, as a real run does, so the whole model
+must fit in the host's memory.
 """
 
 from __future__ import annotations
@@ -93,6 +100,9 @@ class DryRun:
     collectives: list  # {"kind", "group_size", "calls", "payload_bytes"}, by kind and group size
     seconds: float
     max_rss_bytes: int  # this process's resident peak so far (the fake tensors hold none)
+    materialized: str | None = None  # the device of the real tensors, or None (fake tensors)
+    # the CUDA allocator's peak during the measured step (materialized on a GPU), else None
+    allocator_peak_bytes: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -152,13 +162,42 @@ def roles(cfg: RunConfig) -> dict[str, int]:
     return {role: s * stride for role, s in stages.items() if pp > 2 or role != "middle stage"}
 
 
-def dry_runs(cfg: RunConfig) -> list[DryRun]:
+def dry_runs(cfg: RunConfig, materialize: str | None = None) -> list[DryRun]:
     """`dry_run` of every distinct role (`roles`)."""
-    return [dry_run(cfg, rank, role) for role, rank in roles(cfg).items()]
+    return [dry_run(cfg, rank, role, materialize) for role, rank in roles(cfg).items()]
 
 
-def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
-    """One step of `cfg` (from `plan`) as rank `rank` of its world, on fake tensors and a fake group."""
+def materialize_problem(cfg: RunConfig, device: str) -> str | None:
+    """Why `cfg` cannot run with real tensors on `device` here, or None: the whole model is built on the host
+    first (fp32), and a GPU must be there."""
+    from multigpu.estimator.model_trace import model_shape
+
+    if device not in ("cpu", "cuda"):
+        return f"--materialize takes cpu or cuda, got {device!r}"
+    if device == "cuda" and not torch.cuda.is_available():
+        return "--materialize cuda: this machine has no CUDA GPU; use --materialize cpu, or leave it out"
+    whole = model_shape(cfg.model).parameters * 4
+    free = _available_host_bytes()
+    if free is not None and whole > free // 2:
+        return (f"--materialize builds {cfg.model} whole on the host first ({whole / 2**30:.1f} GiB in fp32), more "
+                f"than half of this machine's available memory ({free / 2**30:.1f} GiB); dry-run it without "
+                "--materialize, or give a smaller model")
+    return None
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank", materialize: str | None = None) -> DryRun:
+    """One step of `cfg` (from `plan`) as rank `rank` of its world, on fake tensors and a fake group; with
+    `materialize` ("cpu", "cuda"), on real tensors on that device and the fake group."""
+    from contextlib import nullcontext
+
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -169,6 +208,10 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
     from multigpu.runtime import RankGrid, Runtime
 
     world = cfg.processes
+    if materialize is not None and (why := materialize_problem(cfg, materialize)):
+        raise ConfigError(why)
+    device = torch.device("cuda", torch.cuda.current_device()) if materialize == "cuda" else torch.device("cpu")
+    on_gpu = device.type == "cuda"
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is not in a world of {world} (ranks 0 to {world - 1})")
     if dist.is_initialized():
@@ -177,25 +220,28 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        rt = Runtime(rank, 0, world, torch.device("cpu"), "fake")
-        rt.grid = RankGrid.build("cpu", cfg.process_grid)
+        rt = Runtime(rank, 0, world, device, "fake")
+        rt.grid = RankGrid.build(device.type, cfg.process_grid)
         for dim in rt.grid.sizes:  # the mesh and its groups: made from real tensors, before the fake mode
             rt.grid.group(dim)
         seq_len = cfg.seq_len or default_seq_len(cfg.model)
         micro = cfg.micro_batch_size
-        with FakeTensorMode(allow_non_fake_inputs=True), _mesh_bookkeeping_on_real_tensors(), moe.even_routing(), \
-                warnings.catch_warnings():
+        fake = FakeTensorMode(allow_non_fake_inputs=True) if materialize is None else nullcontext()
+        with fake, _mesh_bookkeeping_on_real_tensors(), moe.even_routing(), warnings.catch_warnings():
             # FSDP2 warns that a T5 block returns a view, on which an in-place op would skip its all-gather; none
             # follows here: `check --strategy fsdp --model t5-tiny` trains as one device does (within 6e-8)
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
             model = build_model(cfg.model, cfg.seed)
+            if materialize is not None:
+                model.to(device)
             moe.configure(model, cfg.extra)
             par = strategies.prepare(model, cfg, rt)
             del model
             # one micro-batch of random ids, laid out as the training loop's loader makes it (the data set's streams,
             # T5's decoder inputs too, each a tensor of its own, as collated), used for every micro-batch
             data = TokenDataset(cfg.model, "dummy", micro, seq_len, vocab_size(cfg.model), cfg.seed)
-            batches = [{k: v.clone() for k, v in data.tensors.items()}] * cfg.grad_accum_steps
+            batches = [{k: v.clone().to(device) if materialize else v.clone() for k, v in data.tensors.items()}
+                       ] * cfg.grad_accum_steps
             autocast = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(cfg.dtype)
             par.run_step(batches, autocast)  # the first step makes what is made once (optimizer state, buffers)
             tracker = _NewStorages({t.untyped_storage()._cdata for t in _tensors(par)})
@@ -219,15 +265,20 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
                     return backward(loss)
                 par.backward = first_backward
             hook = par.module.register_forward_hook(after_forward) if par.train_step else None
+            if on_gpu:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
             with tracker, CommCounter(world) as comm:
                 par.run_step(batches, autocast, at_forward)
+            allocator_peak = torch.cuda.max_memory_allocated(device) if on_gpu else None
             if hook:
                 hook.remove()
             states = model_state_bytes(par.module, par.optimizer)
     except MemoryError:
         raise ConfigError(f"the dry run of {cfg.strategy} on {world} ranks ran out of this machine's memory "
-                          f"(resident peak {_max_rss() / 2**30:.1f} GiB); fake tensors hold none, so a smaller "
-                          "model or fewer layers is what shrinks it") from None
+                          f"(resident peak {_max_rss() / 2**30:.1f} GiB); "
+                          + ("fake tensors hold none, so a smaller model or fewer layers is what shrinks it"
+                             if materialize is None else "without --materialize its tensors hold none")) from None
     finally:
         dist.destroy_process_group()
     by_group = defaultdict(lambda: [0, 0])
@@ -239,7 +290,7 @@ def dry_run(cfg: RunConfig, rank: int = 0, role: str = "every rank") -> DryRun:
     return DryRun(cfg.model, cfg.strategy, world, cfg.degrees, rank,
                   {d: rt.grid.coord(d) for d in rt.grid.sizes}, role, micro, seq_len, cfg.grad_accum_steps,
                   states, forward.get("computed"), forward.get("gathered"), collectives,
-                  time.perf_counter() - start, _max_rss())
+                  time.perf_counter() - start, _max_rss(), materialize, allocator_peak)
 
 
 def _tensors(par) -> list[torch.Tensor]:
