@@ -136,7 +136,12 @@ def test_bad_input_is_refused_before_any_process_starts():
     assert "not one of: ring, allgather, ulysses" in refused(strategy="cp-scratch", world_size=2,
                                                              extra={"cp_attention": "flash"})
     assert "not 't5-tiny'" in refused(strategy="cp-scratch", world_size=2, model="t5-tiny")
-    assert "not yet with tensor" in refused(strategy="fsdp", world_size=4, cp=2, tp=2)
+    assert "or fsdp with --cp N (and --tp N)" in refused(strategy="pp-1f1b", world_size=4, cp=2, pp=2)
+    assert "fsdp or ddp-scratch with --tp" in refused(strategy="cp-scratch", world_size=4, cp=2, tp=2)
+    from multigpu.strategies.cp_scratch import context_problems
+
+    sixteen = RunConfig(strategy="fsdp", world_size=16, cp=4, tp=4, seq_len=40, extra={"sequence_parallel": True})
+    assert any("a multiple of 16" in p for p in context_problems(sixteen))  # (16 processes: more than this CPU runs)
     assert "world size 6 is not a multiple of pp 1 x cp 4 x tp 1 = 4" in refused(strategy="fsdp", world_size=6, cp=4)
 
 

@@ -21,7 +21,9 @@ PLANS = [  # every strategy that can dry-run, at the largest world gpt-small's s
     ("zero1", 1024, {}), ("zero2", 64, {}), ("zero3", 1024, {"grad_accum_steps": 2}),
     ("ddp-scratch", 1024, {}), ("tp", 8, {}), ("tp-scratch", 8, {}), ("fsdp", 1024, {"tp": 8}),
     ("fsdp", 64, {"tp": 4, "extra": {"sequence_parallel": True}}),
-    ("fsdp", 64, {"grad_accum_steps": 2}), ("pp-1f1b-scratch", 4, {"grad_accum_steps": 4}),
+    ("fsdp", 64, {"grad_accum_steps": 2}), ("fsdp", 1024, {"tp": 2, "cp": 2}),
+    ("fsdp", 64, {"tp": 2, "cp": 2, "extra": {"sequence_parallel": True}}),
+    ("pp-1f1b-scratch", 4, {"grad_accum_steps": 4}),
     ("pp-gpipe-scratch", 3, {"grad_accum_steps": 3}), ("cp-scratch", 4, {}),
 ]
 

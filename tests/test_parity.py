@@ -136,6 +136,23 @@ def test_context_parallel_composes_with_data_parallelism(strategy, overrides, re
 
 @pytest.mark.slow
 @pytest.mark.timeout(SERIES_TIMEOUT)
+@pytest.mark.parametrize("world_size, overrides", [
+    (4, dict(tp=2, cp=2)),  # the ring over each rank's own heads
+    (4, dict(tp=2, cp=2, extra={"sequence_parallel": True, "cp_attention": "ulysses"})),
+    (8, dict(tp=2, cp=2, grad_accum_steps=2, activation_checkpointing=True)),  # dp 2 x cp 2 x tp 2
+], ids=["tp2-cp2", "tp2-cp2-sp-ulysses", "dp2-cp2-tp2-accum2-checkpointed"])
+@cases(lambda world_size, overrides: _case("fsdp", world_size, **overrides))
+def test_context_parallel_composes_with_tensor_parallelism(world_size, overrides, request):
+    """FSDP x TP x CP in torchtitan's order (compose.py): the layers cut over tp, the blocks sharded over the
+    dp x cp ranks, the sequence cut last; each rank's attention holds its heads, whole for its part of the
+    sequence, and the ring (or Ulysses' exchange) runs on them unchanged."""
+    result = parity(request)
+    assert_parity(result, "fsdp", world_size)
+    assert result["grid"]["cp"] == 2 and result["grid"]["tp"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SERIES_TIMEOUT)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("routing", [
     dict(moe_top_k=2),  # no capacity: no token dropped, exact

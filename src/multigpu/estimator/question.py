@@ -213,8 +213,8 @@ def _check_cut(setup: Setup, grid: Grid) -> None:
         if setup.cp_attention != "ring" and setup.activation_checkpointing:
             raise ConfigError(f"the estimator models cp_attention {setup.cp_attention!r} without recomputation "
                               "only; ring attention with it")
-        if grid.tp > 1 or grid.pp > 1:
-            raise ConfigError("context parallelism composes with data parallelism and FSDP here, not with tensor or "
+        if grid.pp > 1 or (grid.tp > 1 and setup.strategy != "fsdp"):
+            raise ConfigError("context parallelism composes with data parallelism, FSDP and FSDP x TP here, not with "
                               "pipeline parallelism")
     if grid.tp == grid.pp == 1:
         return

@@ -174,8 +174,9 @@ def collectives(setup: Setup, global_batch: int, pipeline_rank: int | None = Non
                         dp_traffic("reduce_scatter", grads, units)]
         else:  # FSDP inside a pipeline stage: once per step
             out += [dp_traffic("all_gather", weights / n, 1), dp_traffic("reduce_scatter", grads, 1)]
-    # one micro-batch's hidden states (b, s, h): what tensor parallelism all-reduces and a stage sends
-    activation = global_batch // (dp * m) * setup.seq_len * act_width * (
+    # one micro-batch's hidden states (b, s, h): what tensor parallelism all-reduces and a stage sends (a context-
+    # parallel rank's: its part of the sequence)
+    activation = global_batch // (dp * m) * setup.rank_seq_len * act_width * (
         gpt_parts(setup.model).d_model if tp > 1 or pp > 1 else 0)
     if tp > 1:  # per micro-batch: each block's two all-reduces forward and two backward (three and three
         # when checkpointing recomputes the forward), the embedding's forward and the head's backward; pipelines
@@ -196,7 +197,7 @@ def collectives(setup: Setup, global_batch: int, pipeline_rank: int | None = Non
             out.append(Traffic("tp", "all_reduce", calls * activation, tp, 1, calls))
         # the cross-entropy of vocabulary-sharded logits (loss_parallel, the default; tp-scratch's own): the
         # maximum, the sum of exponentials and the target's logit of every token, in fp32
-        tokens = global_batch // (dp * m) * setup.seq_len
+        tokens = global_batch // (dp * m) * setup.rank_seq_len
         out.append(Traffic("tp", "all_reduce", m * 3 * tokens * 4, tp, 1, m * 3))
     if cp > 1:  # ring attention, per micro-batch and layer: keys and values round the ring forward, again
         # backward with their gradients (cp_attention.sent_bytes_per_layer); each transfer overlaps the

@@ -78,7 +78,7 @@ def parallelize(model: nn.Module, cfg, grid, *, shard: bool, root: nn.Module | N
     if grid.size("cp") > 1:  # the sequence cut last, outside: the wrapper only slices batches and sums losses
         from multigpu.strategies import cp_scratch
 
-        module = cp_scratch.parallelize(model, cfg, grid)
+        module = cp_scratch.parallelize(model, cfg, grid, inner=module)  # TP's LossModule, if any, inside
     return module
 
 

@@ -73,9 +73,13 @@ def context_problems(cfg) -> list[str]:
         problems.append(f"Ulysses gives each of the cp={cp} ranks whole heads, and a rank has {heads} "
                         f"head(s){' (after tp ' + str(cfg.degrees['tp']) + ')' if cfg.degrees['tp'] > 1 else ''}: "
                         f"use a cp that divides {heads}, or cp_attention ring or allgather")
-    if cfg.degrees["tp"] > 1 or cfg.degrees["pp"] > 1:
-        problems.append("context parallelism composes with data parallelism and FSDP here, not yet with tensor or "
-                        "pipeline parallelism: give --cp with --dp or fsdp alone")
+    tp = cfg.degrees["tp"]
+    if cfg.degrees["pp"] > 1:
+        problems.append("context parallelism composes with data parallelism, FSDP and tensor parallelism here, not "
+                        "yet with pipeline parallelism: give --cp with --dp, fsdp or fsdp --tp")
+    elif tp > 1 and (cfg.extra or {}).get("sequence_parallel") and (seq_len // cp) % tp:
+        problems.append(f"sequence parallelism cuts each cp rank's {seq_len // cp} tokens over the tp={tp} ranks: use "
+                        f"a sequence length that is a multiple of {cp * tp}")
     if (cfg.extra or {}).get("replicas", 1) != 1:
         problems.append("context parallelism with hybrid sharding (--hsdp-replicas) is not built: use plain fsdp --cp")
     return problems
@@ -105,11 +109,14 @@ class ContextParallel(nn.Module):
     """forward(input_ids, labels): the whole sequences in; this rank's part of them (its tokens
     and their positions) through the model; the loss over every part out, its gradient this
     rank's part's (the gradients are averaged over the ranks afterwards). Given position_ids,
-    the batch is this rank's part already (PyTorch's context_parallel cut it in place)."""
+    the batch is this rank's part already (PyTorch's context_parallel cut it in place).
+    `inner`: what computes the loss of the part (default the model; under tensor parallelism
+    tp_plan's LossModule, whose loss-parallel context `backward` then enters)."""
 
-    def __init__(self, model: nn.Module, group, balance: str):
+    def __init__(self, model: nn.Module, group, balance: str, inner: nn.Module | None = None):
         super().__init__()
         self.model = model
+        object.__setattr__(self, "inner", model if inner is None else inner)  # not a second copy in the state
         self.group, self.balance = group, balance
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
@@ -122,23 +129,34 @@ class ContextParallel(nn.Module):
             position_ids = cpa.positions(seq_len, self.cp, self.rank, self.balance, input_ids.device)
             input_ids, labels = mine(input_ids), None if labels is None else mine(labels)
         if labels is None:  # this rank's tokens' logits
-            return self.model(input_ids=input_ids, position_ids=position_ids)
-        loss = self.model(input_ids=input_ids, labels=labels, position_ids=position_ids)
+            return self.inner(input_ids=input_ids, position_ids=position_ids)
+        loss = self.inner(input_ids=input_ids, labels=labels, position_ids=position_ids)
         whole = loss.detach().clone()
         dist.all_reduce(whole, group=self.group)
         return loss + (whole / self.cp - loss.detach())  # the value: the whole loss; the gradient: this rank's
 
+    def backward(self, loss) -> None:
+        """The loss's backward, inside what `inner` needs around it (tensor parallelism's loss_parallel)."""
+        inner_backward = getattr(self.inner, "backward", None)
+        if inner_backward is not None:
+            inner_backward(loss)
+        else:
+            loss.backward()
 
-def parallelize(model: nn.Module, cfg, grid) -> ContextParallel:
+
+def parallelize(model: nn.Module, cfg, grid, inner: nn.Module | None = None) -> ContextParallel:
     """Swap every attention of `model` (the package's GPT) for the context-parallel one over this
-    rank's cp line, in place; return the module that cuts each batch's sequences."""
+    rank's cp line, in place; return the module that cuts each batch's sequences (and hands them to
+    `inner`, the model by default). Under tensor parallelism each rank's attention holds its heads
+    only, whole for its part of the sequence (sequence parallelism gathers it before the products):
+    the ring runs per head, so it runs on the rank's heads unchanged."""
     from multigpu.models import CausalSelfAttention
 
     variant, balance = options(cfg)
     group = context_group(grid)
     for attention in (m for m in model.modules() if isinstance(m, CausalSelfAttention)):
         attention.attend = partial(cpa.attention, group=group, variant=variant, balance=balance, causal=True)
-    return ContextParallel(model, group, balance)
+    return ContextParallel(model, group, balance, inner)
 
 
 def replicas(model, module, cfg, **calls) -> Parallelized:
