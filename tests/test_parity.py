@@ -136,19 +136,24 @@ def test_context_parallel_composes_with_data_parallelism(strategy, overrides, re
 
 @pytest.mark.slow
 @pytest.mark.timeout(SERIES_TIMEOUT)
-@pytest.mark.parametrize("world_size, overrides", [
-    (4, dict(tp=2, cp=2)),  # the ring over each rank's own heads
-    (4, dict(tp=2, cp=2, extra={"sequence_parallel": True, "cp_attention": "ulysses"})),
-    (8, dict(tp=2, cp=2, grad_accum_steps=2, activation_checkpointing=True)),  # dp 2 x cp 2 x tp 2
-], ids=["tp2-cp2", "tp2-cp2-sp-ulysses", "dp2-cp2-tp2-accum2-checkpointed"])
-@cases(lambda world_size, overrides: _case("fsdp", world_size, **overrides))
-def test_context_parallel_composes_with_tensor_parallelism(world_size, overrides, request):
-    """FSDP x TP x CP in torchtitan's order (compose.py): the layers cut over tp, the blocks sharded over the
-    dp x cp ranks, the sequence cut last; each rank's attention holds its heads, whole for its part of the
-    sequence, and the ring (or Ulysses' exchange) runs on them unchanged."""
+@pytest.mark.parametrize("strategy, world_size, overrides", [
+    ("fsdp", 4, dict(tp=2, cp=2)),  # the ring over each rank's own heads
+    ("fsdp", 4, dict(tp=2, cp=2, extra={"sequence_parallel": True, "cp_attention": "ulysses"})),
+    ("fsdp", 8, dict(tp=2, cp=2, grad_accum_steps=2, activation_checkpointing=True)),  # dp 2 x cp 2 x tp 2
+    ("pp-1f1b", 4, dict(pp=2, cp=2, grad_accum_steps=2, model="gpt-mini")),  # a cp line in each stage
+    ("pp-interleaved", 4, dict(pp=2, cp=2, grad_accum_steps=4, model="gpt-mini")),
+    ("pp-gpipe", 8, dict(pp=2, cp=2, tp=2, grad_accum_steps=2, model="gpt-mini")),  # pp x cp x tp
+], ids=["fsdp-tp2-cp2", "fsdp-tp2-cp2-sp-ulysses", "fsdp-dp2-cp2-tp2-accum2-checkpointed", "1f1b-pp2-cp2",
+        "interleaved-pp2-cp2", "gpipe-pp2-cp2-tp2"])
+@cases(lambda strategy, world_size, overrides: _case(strategy, world_size, **overrides))
+def test_context_parallel_composes_with_model_parallelism(strategy, world_size, overrides, request):
+    """CP with TP and PP in torchtitan's order (compose.py): the stages cut, the layers cut over tp, the blocks
+    sharded over the dp x cp ranks, the sequence cut last (a pipeline's batches before its schedule's step);
+    each rank's attention holds its heads, whole for its part of the sequence, and the ring (or Ulysses'
+    exchange) runs on them unchanged."""
     result = parity(request)
-    assert_parity(result, "fsdp", world_size)
-    assert result["grid"]["cp"] == 2 and result["grid"]["tp"] == 2
+    assert_parity(result, strategy, world_size)
+    assert result["grid"]["cp"] == 2 and all(result["grid"][d] == overrides.get(d, 1) for d in ("tp", "pp"))
 
 
 @pytest.mark.slow

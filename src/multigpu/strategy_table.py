@@ -93,7 +93,7 @@ STRATEGY_TABLE: dict[str, Strategy] = {
                          "loss_parallel); extra sequence_parallel", _TP_SHARDS,
                    zero_stage=None, spans="tp", estimated_as="tp", fp16_refusal=_TP_FP16, checkpoints_itself=True),
     **{name: Strategy(module, description, "the layers: each rank holds its stage's blocks (and their states)",
-                      zero_stage=None, spans="pp", combines=("tp", "dp") if module == "pp" else (),
+                      zero_stage=None, spans="pp", combines=("tp", "dp", "cp") if module == "pp" else (),
                       estimated_as=estimated_as, fp16_refusal=_PP_FP16, checkpoints_itself=module == "pp")
        for name, module, estimated_as, description in [
         ("pp-naive", "pp_scratch", None, "naive model parallelism from scratch: layers cut into stages, one "

@@ -8,7 +8,7 @@ from multigpu.experiments.machine import Job, on_gpus
 from multigpu.launch import launch
 
 # Compositions on one grid: name -> (strategy, processes, RunConfig fields). The rank grid
-# each makes is dp x pp x tp (config.RunConfig.degrees).
+# each makes is pp x dp x cp x tp (config.RunConfig.degrees).
 COMPOSITIONS = {
     "FSDP x TP (2D)": ("fsdp", 4, dict(tp=2)),
     "DDP x TP from scratch (2D)": ("ddp-scratch", 4, dict(tp=2)),
@@ -16,6 +16,8 @@ COMPOSITIONS = {
     "PP x TP": ("pp-1f1b", 4, dict(tp=2)),
     "PP x FSDP": ("pp-1f1b", 4, dict(dp=2)),
     "PP x FSDP x TP (3D)": ("pp-1f1b", 8, dict(tp=2, dp=2)),
+    "FSDP x CP x TP (3D, the sequence cut)": ("fsdp", 8, dict(tp=2, cp=2)),
+    "PP x CP x TP (3D, the sequence cut)": ("pp-1f1b", 8, dict(tp=2, cp=2)),
 }
 
 

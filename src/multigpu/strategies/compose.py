@@ -22,6 +22,12 @@ torchtitan/models/llama3/infra/parallelize.py and pipeline.py):
    the final modules: sharding first and then swapping layers would swap out the sharded
    parameters.
 
+5. **Context parallelism** (cp > 1): every attention swapped for the ring over this rank's cp line
+   (cp_scratch.swap_attention), and the sequences cut last, outside: the returned module cuts each
+   batch (cp_scratch.ContextParallel, around TP's LossModule when there is one); a pipeline stage's
+   piece gets the attention only, its schedule's batches cut before the step (pp.py). FSDP then
+   shards over the dp x cp ranks, which all hold the whole model (torchtitan's dp_shard_cp).
+
 Under a pipeline, FSDP keeps the gathered parameters from forward to backward
 (`reshard_after_forward=False`): a stage runs many micro-batches' forwards before their
 backwards, and re-gathering for each would multiply the all-gathers by the micro-batches.
@@ -47,14 +53,17 @@ from multigpu.strategies import tp_plan
 
 
 def parallelize(model: nn.Module, cfg, grid, *, shard: bool, root: nn.Module | None = None,
-                loss_parallel: bool | None = None, reshard_after_forward: bool = True) -> nn.Module:
+                loss_parallel: bool | None = None, reshard_after_forward: bool = True,
+                cut_sequence: bool = True) -> nn.Module:
     """Steps 2-4 of the order on `model` (a whole model, or one pipeline stage's piece), in
     place; step 4 when `shard` (FSDP over the grid's dp ranks). `root`: the module FSDP
     wraps last (default `model`; a pipeline stage passes the module the schedule calls,
     which must itself be the FSDP module). Returns the module
     whose call computes the loss: `tp_plan.LossModule` when tp > 1 (loss-parallel cross-entropy
     needs its context), else `model`. loss_parallel: None reads extra `loss_parallel`
-    (default on); a pipeline stage, whose loss the schedule computes, passes False."""
+    (default on); a pipeline stage, whose loss the schedule computes, passes False. With cp,
+    `cut_sequence`: the returned module cuts each batch's sequences (False: a pipeline stage's piece,
+    whose attention alone is swapped; the schedule's batches are cut before its step)."""
     module = model
     extra = cfg.extra or {}
     if grid.size("tp") > 1:  # 2. tensor parallel
@@ -78,7 +87,10 @@ def parallelize(model: nn.Module, cfg, grid, *, shard: bool, root: nn.Module | N
     if grid.size("cp") > 1:  # the sequence cut last, outside: the wrapper only slices batches and sums losses
         from multigpu.strategies import cp_scratch
 
-        module = cp_scratch.parallelize(model, cfg, grid, inner=module)  # TP's LossModule, if any, inside
+        if cut_sequence:
+            module = cp_scratch.parallelize(model, cfg, grid, inner=module)  # TP's LossModule, if any, inside
+        else:
+            cp_scratch.swap_attention(model, cfg, grid)
     return module
 
 

@@ -17,7 +17,8 @@ backward as in ddp-scratch). The loss each rank reports is the whole sequences' 
 all-reduce over the cp group); its gradient is the rank's own.
 
 `cp-scratch --world-size 4` is cp 4; `--cp 2 --world-size 4` is dp 2 x cp 2. `fsdp --cp 2` shards
-the model over the dp x cp ranks instead (compose.py). Options (RunConfig.extra, any strategy
+the model over the dp x cp ranks instead, with `--tp N` inside, and a library pipeline (`pp-1f1b
+--cp 2`, ...) runs a cp line in every stage (compose.py gives the order). Options (RunConfig.extra, any strategy
 with cp > 1): `cp_attention` ring (default), allgather or ulysses; `cp_balance` zigzag (default)
 or contiguous. The package's GPT only: its attention is the one that can be swapped, and its
 positions are a table indexed by position (a Hugging Face model's own attention and rotary
@@ -74,10 +75,7 @@ def context_problems(cfg) -> list[str]:
                         f"head(s){' (after tp ' + str(cfg.degrees['tp']) + ')' if cfg.degrees['tp'] > 1 else ''}: "
                         f"use a cp that divides {heads}, or cp_attention ring or allgather")
     tp = cfg.degrees["tp"]
-    if cfg.degrees["pp"] > 1:
-        problems.append("context parallelism composes with data parallelism, FSDP and tensor parallelism here, not "
-                        "yet with pipeline parallelism: give --cp with --dp, fsdp or fsdp --tp")
-    elif tp > 1 and (cfg.extra or {}).get("sequence_parallel") and (seq_len // cp) % tp:
+    if tp > 1 and (cfg.extra or {}).get("sequence_parallel") and (seq_len // cp) % tp:
         problems.append(f"sequence parallelism cuts each cp rank's {seq_len // cp} tokens over the tp={tp} ranks: use "
                         f"a sequence length that is a multiple of {cp * tp}")
     if (cfg.extra or {}).get("replicas", 1) != 1:
@@ -88,7 +86,10 @@ def context_problems(cfg) -> list[str]:
 def context_group(grid):
     """A process group of this rank's cp line, its own: the ring's messages and the loss's
     all-reduce never share a group with gradient collectives running beside them. Every rank
-    makes every line's group, in the same order (new_group is collective)."""
+    makes every line's group, in the same order (new_group is collective), once per grid (a
+    pipeline rank's stages share it)."""
+    if "cp-ring" in grid._groups:
+        return grid._groups["cp-ring"]
     mine = None
     world = grid.size("pp") * grid.size("dp") * grid.size("cp") * grid.size("tp")
     lines: dict[tuple, list[int]] = {}
@@ -102,6 +103,7 @@ def context_group(grid):
         group = dist.new_group(ranks)
         if grid.rank in ranks:
             mine = group
+    grid._groups["cp-ring"] = mine
     return mine
 
 
@@ -150,13 +152,21 @@ def parallelize(model: nn.Module, cfg, grid, inner: nn.Module | None = None) -> 
     `inner`, the model by default). Under tensor parallelism each rank's attention holds its heads
     only, whole for its part of the sequence (sequence parallelism gathers it before the products):
     the ring runs per head, so it runs on the rank's heads unchanged."""
+    group, balance = swap_attention(model, cfg, grid), options(cfg)[1]
+    return ContextParallel(model, group, balance, inner)
+
+
+def swap_attention(model: nn.Module, cfg, grid):
+    """Every attention of `model` (the package's GPT, or a pipeline stage's piece of it) swapped for the
+    context-parallel one over this rank's cp line, in place; returns the line's group. A pipeline
+    stage takes its part of the sequence from the schedule (pp.py cuts each batch before its step)."""
     from multigpu.models import CausalSelfAttention
 
     variant, balance = options(cfg)
     group = context_group(grid)
     for attention in (m for m in model.modules() if isinstance(m, CausalSelfAttention)):
         attention.attend = partial(cpa.attention, group=group, variant=variant, balance=balance, causal=True)
-    return ContextParallel(model, group, balance, inner)
+    return group
 
 
 def replicas(model, module, cfg, **calls) -> Parallelized:

@@ -54,8 +54,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -126,11 +128,14 @@ class StageModule(nn.Module):
         self.index, self.num_stages = index, num_stages
         self.device_type = device_type
         self.autocast_dtype: torch.dtype | None = None
+        self.position_ids: torch.Tensor | None = None  # context parallelism: the first stage's tokens' places
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device_type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
-            return self.piece(input_ids=x) if self.index == 0 else self.piece(hidden=x)
+            if self.index == 0:
+                return self.piece(input_ids=x, position_ids=self.position_ids)
+            return self.piece(hidden=x)
 
 
 def build_stages(model: GPT, schedule: Schedule, rank: int, p: int, device: torch.device,
@@ -150,10 +155,30 @@ def build_stages(model: GPT, schedule: Schedule, rank: int, p: int, device: torc
     pieces[first] = split_gpt(model, first, num_stages)
     stages = [StageModule(pieces[i], i, num_stages, device.type).to(device) for i in (first, *others)]
     if cfg is not None:
-        for stage in stages:  # the schedule computes the loss from whole logits: no loss_parallel
-            compose.parallelize(stage.piece, cfg, grid, shard=grid.size("dp") > 1, root=stage, loss_parallel=False,
-                                reshard_after_forward=False)
+        for stage in stages:  # the schedule computes the loss from whole logits: no loss_parallel; with cp each
+            # stage's attention is swapped, sharded over the dp x cp ranks, and the batches are cut before the step
+            compose.parallelize(stage.piece, cfg, grid, shard=grid.size("dp") * grid.size("cp") > 1, root=stage,
+                                loss_parallel=False, reshard_after_forward=False, cut_sequence=False)
     return stages
+
+
+def _context_cut(stages: list[StageModule], cfg, grid, device: torch.device):
+    """(cut, group) under context parallelism: `cut` takes a batch's (samples, sequence) tensor to this cp rank's
+    part of every sequence (the layout cp_scratch's wrapper uses), the first stage is given its tokens' positions,
+    and `group` is the cp line whose losses are averaged; (identity, None) without it."""
+    cp = grid.size("cp")
+    if cp == 1:
+        return (lambda t: t), None
+    from multigpu.models import default_seq_len
+    from multigpu.strategies import cp_attention as cpa
+    from multigpu.strategies.cp_scratch import context_group, options
+
+    balance, rank = options(cfg)[1], grid.coord("cp")
+    seq_len = cfg.seq_len or default_seq_len(cfg.model)
+    for stage in stages:
+        if stage.index == 0:
+            stage.position_ids = cpa.positions(seq_len, cp, rank, balance, device)
+    return partial(cpa.split_sequence, dim=1, cp=cp, rank=rank, balance=balance), context_group(grid)
 
 
 def sync_tied(stages: list[StageModule], group) -> None:
@@ -250,6 +275,7 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
     schedule, p, rank, m = SCHEDULES[name], grid.size("pp"), grid.coord("pp"), cfg.grad_accum_steps
     stages = build_stages(model, schedule, rank, p, rt.device, cfg, grid)
     num_stages = stages[0].num_stages
+    cut, cp_group = _context_cut(stages, cfg, grid, rt.device)
     last_rank = stage_rank(schedule, num_stages - 1, p)
     # the embedding group joins pipeline ranks 0 and p-1: needed only when those are the two
     # ranks holding the first and the last stage (creating a group is collective: all call it)
@@ -276,8 +302,8 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
             s.autocast_dtype = autocast_dtype
         before_forward(0)
         # the schedule cuts the whole batch into m micro-batches again (tensor_split: the same ones)
-        ids = torch.cat([b["input_ids"] for b in micro_batches]) if has_first else None
-        labels = torch.cat([b["labels"] for b in micro_batches]) if has_last else None
+        ids = cut(torch.cat([b["input_ids"] for b in micro_batches])) if has_first else None
+        labels = cut(torch.cat([b["labels"] for b in micro_batches])) if has_last else None
         losses: list[torch.Tensor] = []
         runner.step(*([ids] if has_first else []), target=labels, losses=losses, return_outputs=False)
         sync_tied(stages, tied_group)
@@ -288,6 +314,9 @@ def prepare(model: nn.Module, cfg, rt) -> Parallelized:
             step_loss = torch.zeros((), dtype=torch.float64, device=rt.device)
             for loss in losses:
                 step_loss = step_loss + loss.detach().double()
+            if cp_group is not None:  # each cp rank's loss is its own tokens': their mean is the sequences'
+                dist.all_reduce(step_loss, group=cp_group)
+                step_loss = step_loss / grid.size("cp")
         return loss_to_all(step_loss, grid, rt.device, src=last_rank)
 
     # no memory tracker: its module hooks (register_multi_grad_hook) refuse the autograd.grad

@@ -87,7 +87,7 @@ def tied_embedding_group(grid):
     pp = grid.size("pp")
     if pp == 1:
         return None
-    stride = grid.size("dp") * grid.size("tp")  # ranks between consecutive stages of one pipeline
+    stride = grid.size("dp") * grid.size("cp") * grid.size("tp")  # ranks between consecutive stages of a pipeline
     mine = None
     for base in range(stride):  # one group per pipeline; this rank joins its own
         group = dist.new_group([base, base + (pp - 1) * stride])
