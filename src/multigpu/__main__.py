@@ -222,6 +222,12 @@ def cmd_run(args) -> int:
 def cmd_check(args) -> int:
     from multigpu.check import check
 
+    if args.matrix:  # every composition at degree 2 in 8 processes, dense and MoE (multigpu.matrix)
+        from multigpu import matrix
+
+        rows = matrix.run(steps=args.steps, tolerance=args.tolerance)
+        print(json.dumps(rows) if args.json else matrix.table(rows))
+        return 1 if any(r["status"] == "FAILED" for r in rows) else 0
     cfg = _config(args)
     options = {k: v for k, v in cfg.to_dict().items()
                if k not in ("strategy", "world_size", "steps", "track_memory", "fault")}
@@ -371,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(chk)
     chk.set_defaults(steps=3, optimizer="sgd-momentum", lr=0.05)
     chk.add_argument("--tolerance", type=float, default=1e-5)
+    chk.add_argument("--matrix", action="store_true", help="every composition of dp, tp, pp and cp at degree 2 in "
+                     "8 processes, dense and a mixture of experts, each against one device (minutes)")
     chk.set_defaults(func=cmd_check)
     dry = sub.add_parser("dryrun", help="one step of a plan at any world size on fake tensors: what each rank holds "
                          "and sends, beside the estimator's numbers")

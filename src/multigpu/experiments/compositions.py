@@ -44,3 +44,15 @@ def compositions() -> list[Job]:
     """Every composition of the chapter, and the single device they are compared with."""
     return [Job(name, _composition_records, dict(name=name)) for name in ["single", *COMPOSITIONS]]
 
+
+
+def _matrix_records() -> list[dict]:
+    """The parity matrix (multigpu.matrix): each cell a record, on this machine's CPU processes."""
+    from multigpu import matrix
+
+    return [{"cell": row} for row in matrix.run()]
+
+
+def parity_matrix() -> list[Job]:
+    """Every composition of dp, tp, pp and cp at degree 2 in 8 processes, dense and MoE, against one device."""
+    return [Job("matrix", _matrix_records)]

@@ -23,7 +23,7 @@ import torch
 from multigpu import records
 from multigpu.experiments.checkpoints import checkpoint_bytes, checkpoint_cost
 from multigpu.experiments.collectives import async_staleness, collectives_bandwidth, link_model
-from multigpu.experiments.compositions import compositions
+from multigpu.experiments.compositions import compositions, parity_matrix
 from multigpu.experiments.context_parallel import cp_balance, cp_longest, cp_memory, cp_timeline, cp_variants
 from multigpu.experiments.data_parallel import ddp_buckets, ddp_learning, ddp_scaling, ddp_vs_scratch, dp_vs_ddp
 from multigpu.experiments.experts import moe_balance, moe_capacity, moe_ep
@@ -72,6 +72,7 @@ EXPERIMENTS = {
     "pp_schedules": pp_schedules,
     "pp_memory": pp_memory,
     "compositions": compositions,
+    "parity_matrix": parity_matrix,
     "cp_memory": cp_memory,
     "cp_variants": cp_variants,
     "cp_balance": cp_balance,
