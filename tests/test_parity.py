@@ -141,10 +141,9 @@ def test_context_parallel_composes_with_data_parallelism(strategy, overrides, re
     ("fsdp", 4, dict(tp=2, cp=2, extra={"sequence_parallel": True, "cp_attention": "ulysses"})),
     ("fsdp", 8, dict(tp=2, cp=2, grad_accum_steps=2, activation_checkpointing=True)),  # dp 2 x cp 2 x tp 2
     ("pp-1f1b", 4, dict(pp=2, cp=2, grad_accum_steps=2, model="gpt-mini")),  # a cp line in each stage
-    ("pp-interleaved", 4, dict(pp=2, cp=2, grad_accum_steps=4, model="gpt-mini")),
     ("pp-gpipe", 8, dict(pp=2, cp=2, tp=2, grad_accum_steps=2, model="gpt-mini")),  # pp x cp x tp
 ], ids=["fsdp-tp2-cp2", "fsdp-tp2-cp2-sp-ulysses", "fsdp-dp2-cp2-tp2-accum2-checkpointed", "1f1b-pp2-cp2",
-        "interleaved-pp2-cp2", "gpipe-pp2-cp2-tp2"])
+        "gpipe-pp2-cp2-tp2"])
 @cases(lambda strategy, world_size, overrides: _case(strategy, world_size, **overrides))
 def test_context_parallel_composes_with_model_parallelism(strategy, world_size, overrides, request):
     """CP with TP and PP in torchtitan's order (compose.py): the stages cut, the layers cut over tp, the blocks
