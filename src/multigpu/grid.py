@@ -61,7 +61,8 @@ _ALONE = {"tp": "tensor parallelism: --strategy tp or tp-scratch alone, fsdp or 
                 "library pipeline (pp-gpipe, pp-1f1b, ...) with --tp",
           "pp": "pipeline parallelism: a --strategy pp-... (pp-1f1b, pp-gpipe, ...), with --dp N for FSDP inside "
                 "each stage and --tp N for tensor parallel stages",
-          "cp": "context parallelism: --strategy cp-scratch alone or with --dp N, or fsdp with --cp N (and --tp N)"}
+          "cp": "context parallelism: --strategy cp-scratch alone or with --dp N, fsdp with --cp N (and --tp N), or a "
+                "library pipeline (pp-1f1b, pp-gpipe, ...) with --cp N"}
 
 
 def _whole(name: str, value, allow_none: bool = False) -> None:
