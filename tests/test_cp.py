@@ -136,8 +136,8 @@ def test_bad_input_is_refused_before_any_process_starts():
     assert "not one of: ring, allgather, ulysses" in refused(strategy="cp-scratch", world_size=2,
                                                              extra={"cp_attention": "flash"})
     assert "not 't5-tiny'" in refused(strategy="cp-scratch", world_size=2, model="t5-tiny")
-    assert "a library pipeline (pp-1f1b, pp-gpipe, ...) with --cp N" in refused(strategy="pp-1f1b-scratch", world_size=4,
-                                                                               cp=2, pp=2)
+    scratch_pipeline = refused(strategy="pp-1f1b-scratch", world_size=4, cp=2, pp=2)
+    assert "a library pipeline (pp-1f1b, pp-gpipe, ...) with --cp N" in scratch_pipeline
     assert "fsdp or ddp-scratch with --tp" in refused(strategy="cp-scratch", world_size=4, cp=2, tp=2)
     from multigpu.strategies.cp_scratch import context_problems
 
