@@ -81,7 +81,7 @@ def run(cells: list[dict] | None = None, *, steps: int = 3, tolerance: float = 1
             else:
                 row.update(status="passed" if result["passed"] else "FAILED",
                            max_abs_param_diff=result["max_abs_param_diff"],
-                           max_abs_loss_diff=result["max_abs_loss_diff"])
+                           max_abs_loss_diff=result["max_abs_loss_diff"], device=result.get("device"))
         out.append(row)
     return out
 

@@ -48,9 +48,12 @@ def compositions() -> list[Job]:
 
 def _matrix_records() -> list[dict]:
     """The parity matrix (multigpu.matrix): each cell a record, on this machine's CPU processes."""
-    from multigpu import matrix
+    from multigpu import matrix, records
 
-    return [{"cell": row} for row in matrix.run()]
+    rows = matrix.run()
+    device = next((r["device"] for r in rows if r.get("device")), "cpu")
+    prov = records.provenance("nccl" if device == "cuda" else "gloo", matrix.MAX_PROCESSES, device, 1)
+    return [{"cell": row, "provenance": prov} for row in rows]
 
 
 def parity_matrix() -> list[Job]:
