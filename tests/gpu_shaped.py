@@ -136,7 +136,20 @@ class GpuWorkers:
         options = dict(zip(args[2::2], args[3::2]))
         if options["--device"] != "cuda":
             raise RunsOnTheCPU(f"a run on {options['--device']}")
-        cfg = RunConfig.from_dict(json.loads(Path(options["--config"]).read_text()))
+        given = json.loads(Path(options["--config"]).read_text())
+        if isinstance(given, list):  # a series (launch.launch_series): each run's record in run<i>/, in order
+            out = Path(options["--out"])
+            for i, one in enumerate(given):
+                (out / f"run{i}").mkdir(exist_ok=True)
+                (out / f"run{i}" / "config.json").write_text(json.dumps(one))
+                run_args = [*args[:2], *(x for k, v in options.items()
+                                         for x in (k, str(out / f"run{i}" / "config.json") if k == "--config"
+                                                   else str(out / f"run{i}") if k == "--out" else v))]
+                rc, tail = self(run_args + (["--save-params"] if "--save-params" in args else []), processes=processes)
+                if rc:
+                    return rc, tail
+            return 0, []
+        cfg = RunConfig.from_dict(given)
         self.runs[self.experiment] = self.runs.get(self.experiment, 0) + 1
         if self.runs[self.experiment] > self.stopped.get(self.experiment, math.inf):
             raise Interrupted(self.experiment)

@@ -161,6 +161,10 @@ def test_gpu_records_are_shaped_like_the_gpu_path(gpu_results, server):
             if r.get("kind") in ("matmul", "memory"):  # machine_limits: the GPU's own peaks
                 assert r["best_flops_per_s" if r["kind"] == "matmul" else "best_bytes_per_s"] > 0
                 continue
+            if "cell" in r:  # the parity matrix: each cell checked on the GPUs (the fake workers' losses are
+                # templates, which need not match), or not built
+                assert r["cell"]["status"] in ("passed", "FAILED", "not built") and r["cell"]["processes"] <= gpus
+                continue
             if "loss" not in r:  # largest_batch, cp_longest: a job's measurement, probes of runs
                 assert r["probes"] and (r["per_rank_batch"] > 0 if "per_rank_batch" in r else r["predicted"] > 0)
                 continue
@@ -208,14 +212,14 @@ ONE_DEVICE = {"one_device_memory", "one_device_techniques", "machine_peak", "t5_
 @pytest.mark.parametrize("server", SERVERS)
 def test_gpu_server_files_cpu_experiments_under_its_cpu_tag(gpu_results, server):
     """What runs on the CPU by design (run_spmd, the replay; on 1 GPU every multi-process
-    experiment; the compositions below 8 GPUs) is filed under the server's CPU tag, never under
+    experiment; the compositions and the parity matrix below 8 GPUs) is filed under the server's CPU tag, never under
     the GPU's; an experiment whose every run failed has no folder but the committed one."""
     folder, tag = gpu_results(server)
     gpus = SERVERS[server][0]
     on_cpu = {p.stem for p in (folder / "cpu-32core-gloo").glob("*.jsonl")}
     on_gpus = {p.stem for p in (folder / tag).glob("*.jsonl")}
     assert on_cpu == (set(EXPERIMENTS) - ONE_DEVICE if gpus == 1 else
-                      RUN_SPMD | ({"compositions"} if gpus < 8 else set()))
+                      RUN_SPMD | ({"compositions", "parity_matrix"} if gpus < 8 else set()))
     missing = {"pp_schedules", "pp_memory", "tp_scaling"} if server.endswith("partial") else set()
     missing |= {e for e, runs in (SERVERS[server][3] or {}).items() if runs == 0}  # stopped before it began
     assert on_cpu | on_gpus == set(EXPERIMENTS) - missing and not on_cpu & on_gpus

@@ -225,7 +225,7 @@ def cmd_check(args) -> int:
     if args.matrix:  # every composition at degree 2 in 8 processes, dense and MoE (multigpu.matrix)
         from multigpu import matrix
 
-        rows = matrix.run(steps=args.steps, tolerance=args.tolerance)
+        rows = matrix.run(steps=args.steps, tolerance=args.tolerance, device=args.device)
         print(json.dumps(rows) if args.json else matrix.table(rows))
         return 1 if any(r["status"] == "FAILED" for r in rows) else 0
     cfg = _config(args)

@@ -123,13 +123,16 @@ def check_series(cases: list[tuple[str, int, dict]], *, steps: int = 3, toleranc
     on its own, so that each failure is its own case's."""
     configs = [parity_configs(strategy, n, steps, **overrides) for strategy, n, overrides in cases]
     references = {ref.to_json(): ref for _, ref in configs if ref.to_json() not in _references}
-    for key, trained in zip(references, _run_series(list(references.values()))):
-        _references[key] = trained
+    for device in sorted({ref.device for ref in references.values()}):  # a series runs on one kind of device: on
+        # a machine of fewer GPUs than some cases' processes, their references run on the CPU, the others' on a GPU
+        on_device = {key: ref for key, ref in references.items() if ref.device == device}
+        for key, trained in zip(on_device, _run_series(list(on_device.values()))):
+            _references[key] = trained
     while len(_references) > max(KEPT_REFERENCES, len(references)):
         _references.popitem(last=False)
     ours: dict[int, tuple] = {}
-    for processes in sorted({cfg.processes for cfg, _ in configs}):
-        indices = [i for i, (cfg, _) in enumerate(configs) if cfg.processes == processes]
+    for processes, device in sorted({(cfg.processes, cfg.device) for cfg, _ in configs}):
+        indices = [i for i, (cfg, _) in enumerate(configs) if (cfg.processes, cfg.device) == (processes, device)]
         ours.update(zip(indices, _run_series([configs[i][0] for i in indices])))
     results = []
     for i, ((cfg, reference), (strategy, n, overrides)) in enumerate(zip(configs, cases)):

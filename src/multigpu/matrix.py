@@ -58,13 +58,15 @@ def refusal(cell: dict) -> str | None:
     return None
 
 
-def run(cells: list[dict] | None = None, *, steps: int = 3, tolerance: float = 1e-5) -> list[dict]:
+def run(cells: list[dict] | None = None, *, steps: int = 3, tolerance: float = 1e-5,
+        device: str = "auto") -> list[dict]:
     """Each cell checked against one device (the runs of a process count in one series), or its refusal:
     the cell with "status" ("passed", "FAILED", "not built"), the largest weight and loss differences, and
-    the refusal's or the failure's message."""
+    the refusal's or the failure's message. `device`: every cell's ("auto": the device plan's for its
+    processes, so on a machine of 2 to 7 GPUs the larger cells run on the CPU)."""
     from multigpu.check import check_series
 
-    cells = cases() if cells is None else cells
+    cells = [{**c, "options": {**c["options"], "device": device}} for c in (cases() if cells is None else cells)]
     refused = [refusal(c) for c in cells]
     runnable = [c for c, why in zip(cells, refused) if why is None]
     results = iter(check_series([(c["strategy"], c["processes"], {"model": c["model"], **c["options"]})

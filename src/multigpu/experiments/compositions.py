@@ -50,8 +50,8 @@ def _matrix_records() -> list[dict]:
     """The parity matrix (multigpu.matrix): each cell a record, on this machine's CPU processes."""
     from multigpu import matrix, records
 
-    rows = matrix.run()
-    device = next((r["device"] for r in rows if r.get("device")), "cpu")
+    device = "cuda" if on_gpus(matrix.MAX_PROCESSES) else "cpu"  # one device for every cell, as the compositions
+    rows = matrix.run(device=device)
     prov = records.provenance("nccl" if device == "cuda" else "gloo", matrix.MAX_PROCESSES, device, 1)
     return [{"cell": row, "provenance": prov} for row in rows]
 
