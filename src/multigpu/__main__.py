@@ -222,12 +222,10 @@ def cmd_run(args) -> int:
 def cmd_check(args) -> int:
     from multigpu.check import check
 
-    if args.matrix:  # every composition at degree 2 in 8 processes, dense and MoE (multigpu.matrix)
-        from multigpu import matrix
+    if args.matrix:  # every composition at degree 2 in 8 processes, dense and MoE
+        from multigpu.matrix import cmd_matrix
 
-        rows = matrix.run(steps=args.steps, tolerance=args.tolerance, device=args.device)
-        print(json.dumps(rows) if args.json else matrix.table(rows))
-        return 1 if any(r["status"] == "FAILED" for r in rows) else 0
+        return cmd_matrix(args)
     cfg = _config(args)
     options = {k: v for k, v in cfg.to_dict().items()
                if k not in ("strategy", "world_size", "steps", "track_memory", "fault")}
@@ -276,12 +274,7 @@ def cmd_dryrun(args) -> int:
     dryrun.refuse(cfg)  # a plan that cannot run this way, with the reason
     if args.rank is not None and not 0 <= args.rank < cfg.processes:
         raise ConfigError(f"--rank {args.rank} is not in a world of {cfg.processes} (ranks 0 to {cfg.processes - 1})")
-    import torch
-
-    materialize = None if args.materialize is None else (
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.materialize == "auto" else args.materialize)
-    if materialize is not None and (why := dryrun.materialize_problem(cfg, materialize)):
-        raise ConfigError(why)
+    materialize = dryrun.materialize_device(cfg, args.materialize)
     runs = dryrun.dry_runs(cfg, materialize) if args.rank is None else [
         dryrun.dry_run(cfg, args.rank, f"rank {args.rank}", materialize)]
     if args.json:
@@ -290,29 +283,12 @@ def cmd_dryrun(args) -> int:
     print(f"{cfg.model}, {cfg.strategy} on {cfg.world_size} ranks ({_grid(cfg.grid)}), {cfg.global_batch_size} "
           f"sample(s) of {runs[0].seq_len} tokens per step in {cfg.grad_accum_steps} micro-batch(es): a dry run")
     print("\n".join(report(cfg, runs)))
-    for run in runs:
-        if run.materialized:
-            peak = (f"; the CUDA allocator's peak in the step {run.allocator_peak_bytes / 2**20:,.1f} MiB"
-                    if run.allocator_peak_bytes is not None else "")
-            print(f"{run.role}: real tensors on {run.materialized}, {run.seconds:.1f} s{peak}")
+    print("".join(f"{dryrun.materialized_line(run)}\n" for run in runs if run.materialized), end="")
     if not any(rows(cfg, run) for run in runs):
-        print(f"(measurements only: {_not_estimated(cfg)})")
+        from multigpu.estimator.held import not_estimated
+
+        print(f"(measurements only: {not_estimated(cfg)})")
     return 0
-
-
-def _not_estimated(cfg: RunConfig) -> str:
-    """Which of the strategy, its options or the model the estimator does not model, and why."""
-    from multigpu.estimator.held import setup_for
-    from multigpu.estimator.share import rank_shares
-
-    if setup_for(cfg) is None:
-        options = "".join(f" with {k} {v}" for k, v in cfg.extra.items() if k in ("wrap", "replicas"))
-        return f"the estimator does not model the strategy {cfg.strategy} on grid {_grid(cfg.grid)}{options}"
-    try:
-        rank_shares(setup_for(cfg))
-    except ConfigError as e:
-        return f"the estimator does not model {cfg.model} so: {e}"
-    return "the estimator has no row for this plan"
 
 
 def cmd_figures(args) -> int:

@@ -185,6 +185,23 @@ def materialize_problem(cfg: RunConfig, device: str) -> str | None:
     return None
 
 
+def materialize_device(cfg: RunConfig, asked: str | None) -> str | None:
+    """The device `--materialize` asks for ("auto": cuda where there is a GPU), checked; None: fake tensors."""
+    if asked is None:
+        return None
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if asked == "auto" else asked
+    if why := materialize_problem(cfg, device):
+        raise ConfigError(why)
+    return device
+
+
+def materialized_line(run: DryRun) -> str:
+    """A materialized dry run's line: its device, its seconds, the CUDA allocator's peak where there is one."""
+    peak = (f"; the CUDA allocator's peak in the step {run.allocator_peak_bytes / 2**20:,.1f} MiB"
+            if run.allocator_peak_bytes is not None else "")
+    return f"{run.role}: real tensors on {run.materialized}, {run.seconds:.1f} s{peak}"
+
+
 def _available_host_bytes() -> int | None:
     try:
         with open("/proc/meminfo") as f:

@@ -98,3 +98,12 @@ def table(rows: list[dict]) -> str:
         if r["status"] != "passed" and r["message"]:
             lines.append(f"    {r['message'][:300]}")
     return "\n".join(lines)
+
+
+def cmd_matrix(args) -> int:
+    """`check --matrix`: the table (or `--json` rows); exit 1 if a built cell fails."""
+    import json
+
+    rows = run(steps=args.steps, tolerance=args.tolerance, device=args.device)
+    print(json.dumps(rows) if args.json else table(rows))
+    return 1 if any(r["status"] == "FAILED" for r in rows) else 0

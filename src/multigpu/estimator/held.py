@@ -130,3 +130,19 @@ def held(strategy: str, world_size: int, model: str, **options) -> list[dict]:
 
     cfg = plan(strategy, world_size, model, **options)
     return [r for run in dry_runs(cfg) for r in rows(cfg, run)]
+
+
+def not_estimated(cfg) -> str:
+    """Which of the strategy, its options or the model the estimator does not model, and why."""
+    from multigpu.errors import ConfigError
+    from multigpu.estimator.share import rank_shares
+
+    if setup_for(cfg) is None:
+        options = "".join(f" with {k} {v}" for k, v in cfg.extra.items() if k in ("wrap", "replicas"))
+        grid = " x ".join(f"{k} {v}" for k, v in cfg.grid.as_dict().items())
+        return f"the estimator does not model the strategy {cfg.strategy} on grid {grid}{options}"
+    try:
+        rank_shares(setup_for(cfg))
+    except ConfigError as e:
+        return f"the estimator does not model {cfg.model} so: {e}"
+    return "the estimator has no row for this plan"

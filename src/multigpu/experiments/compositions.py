@@ -16,8 +16,6 @@ COMPOSITIONS = {
     "PP x TP": ("pp-1f1b", 4, dict(tp=2)),
     "PP x FSDP": ("pp-1f1b", 4, dict(dp=2)),
     "PP x FSDP x TP (3D)": ("pp-1f1b", 8, dict(tp=2, dp=2)),
-    "FSDP x CP x TP (3D, the sequence cut)": ("fsdp", 8, dict(tp=2, cp=2)),
-    "PP x CP x TP (3D, the sequence cut)": ("pp-1f1b", 8, dict(tp=2, cp=2)),
 }
 
 
