@@ -165,15 +165,13 @@ def flat_seconds(row: tuple) -> float:
     share of the batch at a flat 40% of the datasheet's peak (`machines.Machine.mfu`), nothing else."""
     from multigpu.estimator.flops import sample_flops
     from multigpu.estimator.machines import GPU_SHEETS, Machine
+    from multigpu.estimator.predict import NAMED
 
     plan = plan_of(row)
-    gpu = GPU_SHEETS[NAMED_GPU[row[-2]] if isinstance(row[-2], str) else row[-2][0]]
+    gpu = GPU_SHEETS[NAMED[row[-2]][0] if isinstance(row[-2], str) else row[-2][0]]
     peak = gpu.fp32_flops if plan.dtype == "fp32" else gpu.bf16_flops
     flops = sample_flops(plan.model, plan.seq_len).hardware(plan.activation_checkpointing) * plan.global_batch
     return flops / plan.world / (Machine.mfu * peak)
-
-
-NAMED_GPU = {"dgx-a100": "a100-80gb", "dgx-h100": "h100-80gb"}
 
 
 def _predicted(row: tuple) -> float:
